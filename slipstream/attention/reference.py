@@ -1,0 +1,69 @@
+"""Paged attention in plain torch, for mixed batches of prefill chunks and decode tokens.
+
+Decode tokens are handled together: their contexts are gathered through padded block
+tables and masked by length. Each prefill chunk attends causally to its cached prefix and
+to itself. Nothing here assumes a CPU; it is the portable path that faster kernels are
+tested against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
+from slipstream.kvcache.cache import LayerKVCache
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hk, D] for the step's new tokens. Returns [T, Hq, D]."""
+    cache.write(k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    n = meta.num_decode_tokens
+    if n:
+        out[:n] = _decode(q[:n], cache, meta, scale, sliding_window)
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.length)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], cache, chunk, scale, sliding_window)
+    return out
+
+
+def _decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
+            window: int | None) -> torch.Tensor:
+    keys, values = cache.gather_batch(meta.decode_block_tables)  # [B, L, Hk, D]
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [B, Hk, G, L]
+    pos = torch.arange(keys.shape[1], device=q.device)
+    lens = meta.decode_context_lens.unsqueeze(1)
+    visible = pos < lens
+    if window is not None:
+        visible &= pos >= lens - window
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(values.dtype)
+    out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hk, G, D]
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+             chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
+    if chunk.context_len > chunk.length:
+        k, v = cache.gather(chunk.block_table, chunk.context_len)
+    q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.to(q.dtype), v.to(q.dtype)))
+    mask = None
+    if window is not None or chunk.context_len > chunk.length:
+        mask = causal_mask(chunk.length, chunk.context_len, window, q.device)
+    out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None,
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def causal_mask(num_queries: int, context_len: int, window: int | None, device) -> torch.Tensor:
+    """[Q, L] bool: query i sits at position context_len - num_queries + i."""
+    q_pos = torch.arange(context_len - num_queries, context_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(context_len, device=device).unsqueeze(0)
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    return visible

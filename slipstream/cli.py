@@ -1,0 +1,136 @@
+"""Command line: `slipstream generate | chat` (flags follow vLLM's names)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from slipstream.config import EngineConfig
+from slipstream.engine.engine import LLMEngine
+from slipstream.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    parser.add_argument("--model", default=d.model, help="bundled alias, .gguf file or HF checkpoint directory")
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--device", default=d.device)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_kwargs(
+        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, device=args.device)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
+                          seed=args.seed, stop=args.stop)
+
+
+def stream(engine: LLMEngine, prompt, params: SamplingParams, out=sys.stdout) -> str:
+    """Run one request, printing text as it is produced; returns the whole text."""
+    start = time.monotonic()
+    engine.add_request("cli", prompt, params)
+    printed = 0
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            out.write(text[printed:])
+            out.flush()
+            printed = len(text)
+            final = output
+    out.write("\n")
+    _print_stats(final, time.monotonic() - start)
+    return final.outputs[0].text
+
+
+def _print_stats(output, elapsed: float) -> None:
+    m = output.metrics
+    n = len(output.outputs[0].token_ids)
+    tpot = f"{1000 * m.tpot:.1f} ms" if m.tpot is not None else "n/a"
+    print(f"[prompt {len(output.prompt_token_ids)} tokens, output {n} tokens, TTFT {1000 * m.ttft:.0f} ms, "
+          f"TPOT {tpot}, {n / elapsed:.1f} tok/s]", file=sys.stderr)
+
+
+def chat_prompt(engine: LLMEngine, messages: list[dict]) -> list[int]:
+    tokenizer = engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"model {engine.config.model!r} has no chat template")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    engine = LLMEngine(engine_config(args))
+    prompt = chat_prompt(engine, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    stream(engine, prompt, sampling_params(args))
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    engine = LLMEngine(engine_config(args))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chat with the model; an empty line or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ").strip()
+        except EOFError:
+            break
+        if not user:
+            break
+        messages.append({"role": "user", "content": user})
+        reply = stream(engine, chat_prompt(engine, messages), sampling_params(args))
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream", description="A small LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    chat = sub.add_parser("chat", help="interactive chat that keeps the conversation")
+    chat.add_argument("--system", default=None, help="system prompt")
+    for p in (gen, chat):
+        add_engine_args(p)
+        add_sampling_args(p)
+    gen.set_defaults(func=cmd_generate)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

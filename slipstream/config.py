@@ -1,0 +1,77 @@
+"""Engine configuration: one dataclass per concern, validated once at start-up.
+
+`ModelConfig` describes the architecture (filled by the loader); `EngineConfig` holds
+what a user chooses (dtype, cache size, batching limits). Keyword arguments of `LLM(...)`
+are matched against `EngineConfig`'s fields, so a typo is an error, not a silent no-op.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a llama-family decoder, in transformers' vocabulary."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False      # bias on q/k/v projections
+    attention_out_bias: bool = False  # bias on the output projection
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineConfig:
+    """What a user chooses; defaults fit a laptop."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int = 512 * 1024**2
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    device: str = "auto"
+    seed: int = 0
+    log_stats_interval: float | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(known)}")
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype={self.dtype!r} is not supported; allowed: 'auto', {', '.join(map(repr, DTYPES))}")
+        for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer or None")

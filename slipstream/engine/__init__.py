@@ -1,0 +1,1 @@
+"""The engine: sequences, block manager, scheduler, model runner, and the step loop."""

@@ -1,0 +1,63 @@
+"""Incremental detokenization and stop conditions for one sequence.
+
+Text grows by decoding a short window of tokens and keeping only what is new, so a
+multi-byte character split over tokens is emitted once complete (no U+FFFD halves) and
+the cost per token does not grow with the output length.
+"""
+from __future__ import annotations
+
+from slipstream.engine.sequence import Sequence
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def step(self, seq: Sequence) -> str:
+        """Append the text of the newest token(s) to seq.output_text; return the new text."""
+        if self.tokenizer is None:
+            return ""
+        skip = seq.params.skip_special_tokens
+        window = seq.token_ids[seq.prefix_offset:]
+        prefix = self.tokenizer.decode(window[:seq.read_offset - seq.prefix_offset], skip_special_tokens=skip)
+        text = self.tokenizer.decode(window, skip_special_tokens=skip)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        seq.prefix_offset, seq.read_offset = seq.read_offset, seq.num_tokens
+        delta = text[len(prefix):]
+        seq.output_text += delta
+        return delta
+
+    def decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+
+def check_stop(seq: Sequence, new_text: str, eos_token_ids: list[int], max_model_len: int) -> None:
+    """Set seq.finish_reason ('stop' or 'length') if the newest token ends the sequence."""
+    p = seq.params
+    token = seq.token_ids[-1]
+    if seq.num_output_tokens >= p.min_tokens:
+        if not p.ignore_eos and token in eos_token_ids:
+            seq.finish_reason = "stop"
+            return
+        if token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+            return
+        if new_text and _truncate_at_stop_string(seq, new_text):
+            return
+    if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+        seq.finish_reason = "length"
+
+
+def _truncate_at_stop_string(seq: Sequence, new_text: str) -> bool:
+    p = seq.params
+    for stop in p.stop_list:
+        # only a match that overlaps the new text is new; start the search just before it
+        begin = max(0, len(seq.output_text) - len(new_text) - len(stop) + 1)
+        index = seq.output_text.find(stop, begin)
+        if index != -1:
+            end = index + len(stop) if p.include_stop_str_in_output else index
+            seq.output_text = seq.output_text[:end]
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            return True
+    return False

@@ -1,0 +1,216 @@
+"""LLMEngine: add_request / step / abort_request over the scheduler and the model runner.
+
+One `step()` schedules a batch, runs the model once, appends the sampled tokens, checks
+stop conditions, frees finished sequences and registers newly filled blocks in the prefix
+cache. It returns a RequestOutput (cumulative so far) for every request that progressed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from slipstream.config import DTYPES, EngineConfig
+from slipstream.engine.block_manager import BlockManager
+from slipstream.engine.detokenizer import Detokenizer, check_stop
+from slipstream.engine.model_runner import ModelRunner, StepOutput
+from slipstream.engine.request import Request
+from slipstream.engine.scheduler import Scheduler
+from slipstream.engine.sequence import Sequence
+from slipstream.kvcache.cache import KVCache
+from slipstream.layers.sampler import Sampler
+from slipstream.loader.model_loader import load_model
+from slipstream.outputs import Logprob, RequestMetrics, RequestOutput
+from slipstream.platform import resolve_device, resolve_dtype
+from slipstream.sampling_params import SamplingParams
+
+logger = logging.getLogger("slipstream")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        loaded = load_model(config.model, self.dtype, self.device)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.kv_cache = self._allocate_kv_cache()
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(self.model_config.eos_token_ids), self.device)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._last_log = time.monotonic()
+        logger.info("model %s (%s) on %s, %s; KV cache %.0f MiB: %d blocks x %d tokens = %d tokens, %d bytes/token",
+                    config.model, self.model_config.architecture, self.device, str(self.dtype).replace("torch.", ""),
+                    config.kv_cache_memory / 2**20, self.kv_cache.num_blocks, config.block_size,
+                    self.kv_cache.num_blocks * config.block_size, self.kv_bytes_per_token)
+
+    def _allocate_kv_cache(self) -> KVCache:
+        c, m = self.config, self.model_config
+        kv_dtype = self.dtype if c.kv_cache_dtype == "auto" else _kv_dtype(c.kv_cache_dtype)
+        self.kv_bytes_per_token = KVCache.bytes_per_token(m.num_hidden_layers, m.num_key_value_heads, m.head_dim, kv_dtype)
+        num_blocks = c.kv_cache_memory // (self.kv_bytes_per_token * c.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes is too small for one block "
+                             f"({self.kv_bytes_per_token * c.block_size} bytes)")
+        return KVCache(m.num_hidden_layers, num_blocks, c.block_size, m.num_key_value_heads, m.head_dim,
+                       kv_dtype, self.device)
+
+    # --- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Validate and queue a request; a request that can never run is rejected here."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        prompt_text, token_ids = self._tokenize(prompt)
+        params = self._resolve_max_tokens(params, len(token_ids))
+        metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
+        seqs = [Sequence(request_id, token_ids, params, metrics, i, cache_salt) for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, prompt_text, token_ids, params, seqs, metrics)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer files; pass the prompt as a list of token ids")
+            token_ids = self.tokenizer(prompt).input_ids
+            text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids, text = list(prompt), None
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty; it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id(s) {bad[:5]} out of range; allowed: 0..{vocab - 1}")
+        return text, token_ids
+
+    def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise ValueError(f"prompt has {prompt_len} tokens; max_model_len is {limit}, so at most {limit - 1} fit")
+        max_tokens = params.max_tokens or limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+                             f"exceeds max_model_len ({limit})")
+        capacity = self.kv_cache.num_blocks * self.config.block_size
+        if prompt_len + max_tokens > capacity:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) can never fit in the KV cache "
+                             f"({self.kv_cache.num_blocks} blocks = {capacity} tokens); raise kv_cache_memory")
+        return params if params.max_tokens == max_tokens else dataclasses.replace(params, max_tokens=max_tokens)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        request.metrics.finished_time = time.monotonic()
+        return request.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        now = time.monotonic()
+        for seq in scheduled:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        result = self.runner.execute(scheduled)
+        progressed = self._update(scheduled, result)
+        self._maybe_log_stats()
+        return [self._request_output(r) for r in progressed]
+
+    def _update(self, scheduled: dict[Sequence, int], result: StepOutput) -> list[Request]:
+        now = time.monotonic()
+        progressed: dict[str, Request] = {}
+        for seq, n in scheduled.items():
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq in result.prompt_logprobs:
+                seq.prompt_logprobs.extend(self._logprob_dict(*p) for p in result.prompt_logprobs[seq])
+            sample = result.sampled.get(seq)
+            if sample is None:
+                continue
+            self._append(seq, sample, now)
+            progressed[seq.request_id] = self.requests[seq.request_id]
+        return list(progressed.values())
+
+    def _append(self, seq: Sequence, sample, now: float) -> None:
+        seq.append_token(sample.token_id)
+        metrics = seq.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        metrics.num_generation_tokens = max(metrics.num_generation_tokens, seq.num_output_tokens)
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_dict(sample.token_id, sample.logprob, sample.rank, sample.top))
+            seq.cumulative_logprob += sample.logprob
+        new_text = self.detokenizer.step(seq)
+        check_stop(seq, new_text, self.model_config.eos_token_ids, self.max_model_len)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _logprob_dict(self, token_id: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict:
+        entries = {t: Logprob(v, i + 1, self.detokenizer.decode_token(t)) for i, (t, v) in enumerate(top)}
+        entries[token_id] = Logprob(logprob, rank, self.detokenizer.decode_token(token_id))
+        return entries
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        if request.finished:
+            request.metrics.finished_time = request.metrics.finished_time or time.monotonic()
+            del self.requests[request.request_id]
+        return request.output()
+
+    # --- stats -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        queries = bm.prefix_cache_queries
+        return {
+            "num_blocks": bm.num_blocks,
+            "num_used_blocks": bm.num_used_blocks,
+            "num_cached_blocks": bm.num_cached_free_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "block_size": bm.block_size,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefix_cache_hit_rate": bm.prefix_cache_hits / queries if queries else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "fragmentation": bm.fragmentation(self.scheduler.running),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+    def _maybe_log_stats(self) -> None:
+        interval = self.config.log_stats_interval
+        if interval is None or time.monotonic() - self._last_log < interval:
+            return
+        self._last_log = time.monotonic()
+        s = self.stats()
+        logger.info("running %d, waiting %d, KV usage %.1f%%, prefix hit rate %.1f%%, preemptions %d, "
+                    "fragmentation %.1f%%", s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
+                    100 * s["prefix_cache_hit_rate"], s["num_preemptions"], 100 * s["fragmentation"])
+
+
+def _kv_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"kv_cache_dtype={name!r} is not supported; allowed: 'auto', {', '.join(map(repr, DTYPES))}")
+    return DTYPES[name]

@@ -1,0 +1,96 @@
+"""Scheduler: continuous batching under a token budget, chunked prefill, preemption.
+
+Each step, running sequences get their decode token first; the rest of the budget
+(`max_num_batched_tokens`) goes to prefill chunks, of running sequences first, then of
+waiting ones admitted in arrival order while `max_num_seqs` allows. When a running
+sequence needs a block and none is free, the newest running sequence is preempted: its
+blocks are freed and it returns to the front of the queue, to be recomputed later
+(reusing whatever of its prefix is still cached).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from slipstream.engine.block_manager import BlockManager
+from slipstream.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> dict[Sequence, int]:
+        """Sequences to run this step, each with its number of new tokens."""
+        scheduled: dict[Sequence, int] = {}
+        preemptions_before = self.num_preemptions
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            budget = self._budget_left(scheduled)
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._make_room(seq, n, scheduled):
+                scheduled[seq] = n
+        if self.num_preemptions == preemptions_before:  # no memory to spare after a preemption
+            self._admit_waiting(scheduled, self._budget_left(scheduled))
+        return scheduled
+
+    def _budget_left(self, scheduled: dict[Sequence, int]) -> int:
+        return self.max_num_batched_tokens - sum(scheduled.values())
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: dict[Sequence, int]) -> bool:
+        """Allocate slots for `n` tokens of `seq`, preempting newer sequences if needed."""
+        while not self.block_manager.append_slots(seq, n):
+            victim = self.running[-1]
+            scheduled.pop(victim, None)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.block_manager.find_cached_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(seq, hits, n):
+                break
+            self.block_manager.allocate(seq, hits, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if not seq.num_preemptions:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.running.append(seq)
+            scheduled[seq] = n
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a sequence that has finished or been aborted, wherever it is."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

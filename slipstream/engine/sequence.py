@@ -1,0 +1,94 @@
+"""Sequence: one stream of tokens being generated, and everything the engine tracks for it.
+
+A request with n > 1 owns n sequences. A sequence knows its tokens (prompt + output), how
+many of them already have K/V in the cache (`num_computed_tokens`), which physical blocks
+hold that K/V (`block_table`), and its timings. Preemption resets `num_computed_tokens` to
+0 and frees the blocks; the tokens themselves are kept and recomputed.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from slipstream.outputs import RequestMetrics, TokenLogprobs
+from slipstream.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 metrics: RequestMetrics, index: int = 0, cache_salt: str | None = None):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.metrics = metrics
+        self.cache_salt = cache_salt
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix cache)
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.output_text = ""
+        # incremental detokenization window; a few prompt tokens give the first output its spacing
+        self.read_offset = self.num_prompt_tokens
+        self.prefix_offset = max(0, self.num_prompt_tokens - 5)
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.generator = _make_generator(params.seed, index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while some prompt token still lacks its log-probability."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+
+def _make_generator(seed: int | None, index: int) -> torch.Generator:
+    """Each sequence owns its random stream, so its samples do not depend on the batch."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed * 1_000_003 + index)
+    return generator

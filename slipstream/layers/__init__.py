@@ -1,0 +1,1 @@
+"""Building blocks shared by model files: norms, rotary embedding, sampler."""

@@ -1,0 +1,106 @@
+"""Sampler: next tokens for a batch in which every sequence has its own SamplingParams.
+
+Order (vLLM's): min_tokens masking and penalties on the raw logits, then temperature,
+min_p, top_k, top_p, then a draw from each sequence's own generator (the exponential-race
+form of sampling, so a seeded sequence draws the same numbers whatever the batch).
+Log-probabilities reported to the user are those of the raw model logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slipstream.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None          # raw log-probability of the sampled token
+    rank: int | None = None               # 1 = most likely
+    top: list[tuple[int, float]] | None = None  # top-N (token id, logprob)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int]):
+        self.eos_token_ids = eos_token_ids
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        raw_logprobs = logits.log_softmax(-1) if any(s.params.logprobs is not None for s in seqs) else None
+        logits = logits.clone()
+        for row, seq in enumerate(seqs):
+            self._mask_early_stop(logits[row], seq)
+            _apply_penalties(logits[row], seq)
+        tokens = logits.argmax(-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if random_rows:
+            tokens[random_rows] = _sample(logits[random_rows], [seqs[i] for i in random_rows])
+        tokens = tokens.tolist()
+        return [_result(tokens[i], raw_logprobs, i, s.params.logprobs) for i, s in enumerate(seqs)]
+
+    def _mask_early_stop(self, row: torch.Tensor, seq: Sequence) -> None:
+        if seq.num_output_tokens >= seq.params.min_tokens:
+            return
+        stops = list(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos:
+            stops += self.eos_token_ids
+        if stops:
+            row[stops] = float("-inf")
+
+
+def logprobs_for(logprobs: torch.Tensor, token_id: int, num_top: int) -> tuple[float, int, list[tuple[int, float]]]:
+    """Log-probability and rank of `token_id` in a row, and the row's top `num_top`."""
+    value = logprobs[token_id]
+    rank = int((logprobs > value).sum()) + 1
+    top_values, top_ids = logprobs.topk(num_top) if num_top else (logprobs[:0], logprobs[:0].long())
+    return float(value), rank, list(zip(top_ids.tolist(), top_values.tolist()))
+
+
+def _result(token_id: int, raw_logprobs: torch.Tensor | None, row: int, num_top: int | None) -> SampleResult:
+    if num_top is None:
+        return SampleResult(token_id)
+    logprob, rank, top = logprobs_for(raw_logprobs[row], token_id, num_top)
+    return SampleResult(token_id, logprob, rank, top)
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(seq.token_ids, device=row.device).unique()
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+        out = torch.tensor(seq.output_token_ids, device=row.device)
+        counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    temperature = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+    logits = logits / temperature.unsqueeze(1)
+    probs = logits.softmax(-1)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device)
+    if min_p.any():
+        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), 0.0)
+    top_k = [s.params.top_k for s in seqs]
+    top_p = [s.params.top_p for s in seqs]
+    if any(top_k) or any(p < 1.0 for p in top_p):
+        probs = _top_k_top_p(probs, top_k, top_p)
+    noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=s.generator) for s in seqs])
+    return (probs / noise.to(probs.device)).argmax(-1)
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_probs, order = probs.sort(-1, descending=True)
+    vocab = probs.shape[1]
+    k = torch.tensor([k or vocab for k in top_k], device=probs.device).unsqueeze(1)
+    ranks = torch.arange(vocab, device=probs.device).unsqueeze(0)
+    keep = ranks < k
+    sorted_probs = sorted_probs * keep
+    normalized = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    mass_before = normalized.cumsum(-1) - normalized
+    p = torch.tensor(top_p, device=probs.device).unsqueeze(1)
+    keep &= mass_before < p  # the most likely token always survives
+    return torch.zeros_like(probs).scatter(1, order, sorted_probs * keep)

@@ -1,0 +1,1 @@
+"""Turning a model name into a ready model: bundled aliases, GGUF files, HF checkpoints."""

@@ -1,0 +1,49 @@
+"""load_model: from `model=` to (model on its device and dtype, ModelConfig, tokenizer)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slipstream.config import ModelConfig
+from slipstream.loader import safetensors
+from slipstream.loader.gguf import GGUFFile
+from slipstream.loader.hf_config import read_hf_config
+from slipstream.loader.registry import resolve_model_path
+from slipstream.loader.tokenizer import load_tokenizer
+from slipstream.models.registry import build_model
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: object | None
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    path = resolve_model_path(name)
+    if path.endswith(".gguf"):
+        gguf = GGUFFile(path)
+        config = gguf.model_config()
+        weights = gguf.hf_weights(config)
+    else:
+        config = read_hf_config(path)
+        weights = safetensors.hf_weights(path)
+    model = build_model(config)
+    model.load_weights(weights)
+    for param in model.parameters():  # buffers (rope tables) stay float32
+        param.data = param.data.to(dtype)
+    model.to(device)
+    model.eval()
+    tokenizer = load_tokenizer(path)
+    _add_tokenizer_eos(config, tokenizer)
+    return LoadedModel(path, model, config, tokenizer)
+
+
+def _add_tokenizer_eos(config: ModelConfig, tokenizer) -> None:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and eos not in config.eos_token_ids:
+        config.eos_token_ids.append(eos)

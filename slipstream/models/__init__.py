@@ -1,0 +1,1 @@
+"""Model implementations, looked up by the `architectures` name of a checkpoint."""

@@ -1,0 +1,77 @@
+"""Shared fixtures: the bundled SmolLM2 GGUF, and tiny random HF checkpoints built with transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.loader.registry import resolve_model_path
+
+TINY_VOCAB = 384
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    return resolve_model_path("smollm2-135m")
+
+
+def build_tiny_checkpoint(path: str, family: str = "llama", num_kv_heads: int = 2, seed: int = 0, **overrides) -> str:
+    """Save a small random model of `family` with transformers; return its directory.
+
+    Weights are drawn wider than transformers' default so that logits are peaked and
+    greedy decoding has no near-ties that float rounding could flip.
+    """
+    import transformers
+
+    configs = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }
+    kwargs = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
+                  initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    if family == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    config = configs[family](**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")), "llama", num_kv_heads=2)
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, **load_kwargs) -> list[list[int]]:
+    """Reference greedy continuations from transformers, one prompt at a time (no padding)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs).eval()
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def hf_prompt_logprobs(path: str, prompt: list[int], **load_kwargs) -> torch.Tensor:
+    """log p(prompt[i] | prompt[:i]) for i >= 1, from transformers in float32."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    return logits[:-1].log_softmax(-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+
+
+def random_prompts(n: int, low: int, high: int, seed: int = 0, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
