@@ -38,7 +38,7 @@ class LLMEngine:
         loaded = load_model(config.model, self.dtype, self.device)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.kv_cache = self._allocate_kv_cache()
+        self.kv_cache = self._allocate_kv_cache(loaded.model)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -52,16 +52,16 @@ class LLMEngine:
                     config.kv_cache_memory / 2**20, self.kv_cache.num_blocks, config.block_size,
                     self.kv_cache.num_blocks * config.block_size, self.kv_bytes_per_token)
 
-    def _allocate_kv_cache(self) -> KVCache:
-        c, m = self.config, self.model_config
+    def _allocate_kv_cache(self, model) -> KVCache:
+        c = self.config
         kv_dtype = self.dtype if c.kv_cache_dtype == "auto" else _kv_dtype(c.kv_cache_dtype)
-        self.kv_bytes_per_token = KVCache.bytes_per_token(m.num_hidden_layers, m.num_key_value_heads, m.head_dim, kv_dtype)
+        shapes = [(attn.num_kv_heads, attn.head_dim) for attn in model.attention_layers()]
+        self.kv_bytes_per_token = KVCache.bytes_per_token(shapes, kv_dtype)
         num_blocks = c.kv_cache_memory // (self.kv_bytes_per_token * c.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes is too small for one block "
                              f"({self.kv_bytes_per_token * c.block_size} bytes)")
-        return KVCache(m.num_hidden_layers, num_blocks, c.block_size, m.num_key_value_heads, m.head_dim,
-                       kv_dtype, self.device)
+        return KVCache(shapes, num_blocks, c.block_size, kv_dtype, self.device)
 
     # --- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

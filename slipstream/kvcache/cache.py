@@ -34,15 +34,15 @@ class LayerKVCache:
 
 
 class KVCache:
-    """All layers' caches, sized from a memory budget."""
+    """All layers' caches, sized from a memory budget; layers may differ in KV heads and head size."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layer_shapes: list[tuple[int, int]], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.layers = [LayerKVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-                       for _ in range(num_layers)]
+        self.layers = [LayerKVCache(num_blocks, block_size, heads, dim, dtype, device) for heads, dim in layer_shapes]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+    def bytes_per_token(layer_shapes: list[tuple[int, int]], dtype: torch.dtype) -> int:
+        """K and V of one token, summed over layers. `layer_shapes`: (num_kv_heads, head_dim) per layer."""
+        return sum(2 * heads * dim * dtype.itemsize for heads, dim in layer_shapes)

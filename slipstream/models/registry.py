@@ -1,4 +1,8 @@
-"""Architecture name -> model class."""
+"""Architecture name (as in an HF config's `architectures`) -> model class.
+
+A model class provides `config_from_hf(arch, cfg) -> ModelConfig`, `load_weights`,
+`forward(input_ids, positions)`, `compute_logits` and `attention_layers()`.
+"""
 from __future__ import annotations
 
 from torch import nn
@@ -6,7 +10,7 @@ from torch import nn
 from slipstream.config import ModelConfig
 from slipstream.models.llama import LlamaForCausalLM
 
-MODEL_CLASSES = {
+ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -15,4 +19,4 @@ MODEL_CLASSES = {
 
 
 def build_model(config: ModelConfig) -> nn.Module:
-    return MODEL_CLASSES[config.architecture](config)
+    return ARCHITECTURES[config.architecture](config)
