@@ -1,0 +1,107 @@
+"""Sampling with per-request parameters in one batch (tiny random llama, float32)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from slipstream import LLM, SamplingParams
+from slipstream.engine.sequence import Sequence
+from slipstream.layers.sampler import _apply_penalties
+from slipstream.outputs import RequestMetrics
+from tests.conftest import random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(4, 4, 30, seed=21)
+
+
+def _ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llm, prompts):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = _ids(llm.generate([prompts[0]], seeded, use_tqdm=False))[0]
+    others = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=1.3, top_k=5, max_tokens=30, ignore_eos=True)]
+    batch = llm.generate([prompts[1], prompts[0], prompts[2], prompts[3]],
+                         [others[0], seeded, others[1], others[2]], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    unseeded = [_ids(llm.generate([prompts[0]], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+                                  use_tqdm=False))[0] for _ in range(3)]
+    assert len({tuple(u) for u in unseeded}) > 1  # no seed: different draws
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=1.5, min_p=1.0, max_tokens=16, ignore_eos=True),
+], ids=["top_k=1", "tiny-top_p", "min_p=1"])
+def test_degenerate_filters_equal_greedy(llm, prompts, params):
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == _ids(llm.generate(prompts, greedy, use_tqdm=False))
+
+
+def test_top_k_keeps_samples_within_the_k_most_likely(llm, prompts):
+    params = SamplingParams(temperature=2.0, top_k=3, max_tokens=12, ignore_eos=True, seed=5, logprobs=3)
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+            assert entry[token].rank <= 3
+
+
+def test_logprobs_are_consistent(llm, prompts):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            assert entry[token].rank == 1  # greedy picks the most likely token
+            top = sorted(entry.values(), key=lambda l: l.rank)
+            assert [l.rank for l in top] == [1, 2, 3, 4, 5]
+            assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:]))
+            assert sum(math.exp(l.logprob) for l in top) <= 1 + 1e-5
+        assert math.isclose(completion.cumulative_logprob,
+                            sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)), rel_tol=1e-6)
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(llm, prompts):
+    free = _ids(llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                             use_tqdm=False))[0]
+    stop_at = free[2]
+    first = free.index(stop_at)
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2,
+                                                    stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= first + 2 and stop_at not in out.token_ids[:first + 2]
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason == "length"
+
+
+def test_penalties_match_their_definition():
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    seq = Sequence("r", [1, 2], params, RequestMetrics(0.0))
+    for t in (3, 3, 1):
+        seq.append_token(t)
+    row = torch.tensor([1.0, 2.0, -2.0, 4.0, 5.0])
+    _apply_penalties(row, seq)
+    # token 1: seen, output once: 2/2 - 0.25 - 0.5; token 2: seen in prompt only: -2*2;
+    # token 3: output twice: 4/2 - 0.5 - 0.5; tokens 0 and 4: untouched
+    assert torch.allclose(row, torch.tensor([1.0, 0.25, -4.0, 1.0, 5.0]))
+
+
+def test_n_returns_several_independent_samples(llm, prompts):
+    out = llm.generate([prompts[0]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
