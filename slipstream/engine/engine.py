@@ -36,6 +36,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.dtype, self.device)
+        self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_cache = self._allocate_kv_cache(loaded.model)
@@ -197,6 +198,8 @@ class LLMEngine:
             "fragmentation": bm.fragmentation(self.scheduler.running),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            # MoE models: tokens routed to each expert, per layer
+            **({"expert_load": self.runner.model.routing_stats()} if hasattr(self.runner.model, "routing_stats") else {}),
         }
 
     def _maybe_log_stats(self) -> None:
