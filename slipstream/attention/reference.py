@@ -30,7 +30,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
 
 def _decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
             window: int | None) -> torch.Tensor:
-    keys, values = cache.gather_batch(meta.decode_block_tables)  # [B, L, Hk, D]
+    keys, values = cache.gather_batch(meta.decode_block_tables, q.dtype)  # [B, L, Hk, D]
     batch, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -49,8 +49,8 @@ def _decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
              chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
     if chunk.context_len > chunk.length:
-        k, v = cache.gather(chunk.block_table, chunk.context_len)
-    q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.to(q.dtype), v.to(q.dtype)))
+        k, v = cache.gather(chunk.block_table, chunk.context_len, q.dtype)
+    q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     mask = None
     if window is not None or chunk.context_len > chunk.length:
         mask = causal_mask(chunk.length, chunk.context_len, window, q.device)

@@ -213,7 +213,10 @@ class LLMEngine:
                     100 * s["prefix_cache_hit_rate"], s["num_preemptions"], 100 * s["fragmentation"])
 
 
+KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
+
+
 def _kv_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"kv_cache_dtype={name!r} is not supported; allowed: 'auto', {', '.join(map(repr, DTYPES))}")
-    return DTYPES[name]
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype={name!r} is not supported; allowed: 'auto', {', '.join(map(repr, KV_DTYPES))}")
+    return KV_DTYPES[name]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
 
 class LayerKVCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -19,18 +21,23 @@ class LayerKVCache:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k, v: [T, num_kv_heads, head_dim] for the step's new tokens."""
-        self.k.view(-1, *self.k.shape[2:])[slot_mapping] = k.to(self.k.dtype)
-        self.v.view(-1, *self.v.shape[2:])[slot_mapping] = v.to(self.v.dtype)
+        self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self._store(k)
+        self.v.view(-1, *self.v.shape[2:])[slot_mapping] = self._store(v)
 
-    def gather(self, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _store(self, x: torch.Tensor) -> torch.Tensor:
+        if self.k.dtype == torch.float8_e4m3fn:  # saturate: an out-of-range cast is NaN on some devices
+            x = x.clamp(-FP8_MAX, FP8_MAX)
+        return x.to(self.k.dtype)
+
+    def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one sequence's first `length` tokens: [length, num_kv_heads, head_dim]."""
         k = self.k[block_table].flatten(0, 1)[:length]
         v = self.v[block_table].flatten(0, 1)[:length]
-        return k, v
+        return k.to(dtype), v.to(dtype)
 
-    def gather_batch(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_batch(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V through padded block tables [B, max_blocks]: [B, max_blocks*block_size, H, D]."""
-        return self.k[block_tables].flatten(1, 2), self.v[block_tables].flatten(1, 2)
+        return self.k[block_tables].flatten(1, 2).to(dtype), self.v[block_tables].flatten(1, 2).to(dtype)
 
 
 class KVCache:
