@@ -74,7 +74,7 @@ def test_unbiasedness_check_detects_the_known_mse_shrinkage():
     assert mean_error_z_score(3, "mse") < -10
 
 
-@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_pack_bits_matches_reference_lsb_first_bitstream(bits):
     rng = np.random.default_rng(bits)
     codes = rng.integers(0, 2**bits, size=(3, 5, 64))
@@ -84,6 +84,11 @@ def test_pack_bits_matches_reference_lsb_first_bitstream(bits):
     assert packed.dtype == torch.uint8
     np.testing.assert_array_equal(packed.numpy(), expected)
     np.testing.assert_array_equal(unpack_bits(packed, bits).numpy(), codes)
+
+
+def test_pack_bits_rejects_unsupported_widths():
+    with pytest.raises(ValueError, match="bits=5"):
+        pack_bits(torch.zeros(8, dtype=torch.int64), 5)
 
 
 def test_norm_is_stored_exactly_for_fp16_representable_scales():
@@ -163,7 +168,8 @@ def test_calibration_lowers_error_on_keys_with_outlier_channels():
     tuned.calibrate(keys[:512])
 
     def error(quantizer):
-        return (quantizer.dequantize(quantizer.quantize(keys)) - keys).square().sum() / keys.square().sum()
+        error = quantizer.dequantize(quantizer.quantize(keys)) - keys
+        return error.square().sum() / keys.square().sum()
 
     assert error(tuned) < 0.8 * error(default)
 
@@ -173,7 +179,8 @@ def test_inputs_without_the_calibrated_head_axis_are_rejected():
     with pytest.raises(ValueError, match="num_kv_heads=3"):
         quantizer.quantize(torch.randn(5, 4, 64))
     with pytest.raises(ValueError, match="num_kv_heads=3"):
-        quantizer.scores(torch.randn(2, 6, 64), torch.zeros(2, 7, quantizer.nbytes, dtype=torch.uint8))
+        codes = torch.zeros(2, 7, quantizer.nbytes, dtype=torch.uint8)
+        quantizer.scores(torch.randn(2, 6, 64), codes)
 
 
 NBYTES = {  # (dim, bits, mode): per group codes + QJL signs + fp16 gamma (prod) + fp16 norm

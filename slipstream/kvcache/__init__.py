@@ -1,0 +1,1 @@
+"""KV-cache storage and compression (paged blocks, TurboQuant codes)."""
