@@ -46,6 +46,7 @@ class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    kv_cache_dense_layers: int = 0  # TurboQuant: first and last N layers keep a 16-bit cache
     block_size: int = 16
     kv_cache_memory: int = 512 * 1024**2
     enable_prefix_caching: bool = True

@@ -48,7 +48,7 @@ def test_bad_engine_arguments(tiny_llama):
         LLM(tiny_llama, max_seqs=4)
     with pytest.raises(ValueError, match="dtype='float16' is not supported"):
         LLM(tiny_llama, dtype="float16")
-    with pytest.raises(ValueError, match="kv_cache_dtype='int3' is not supported"):
+    with pytest.raises(ValueError, match="kv_cache_dtype=.int3. is not supported; allowed: auto, bfloat16"):
         LLM(tiny_llama, kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="block_size=0 must be a positive integer"):
         LLM(tiny_llama, block_size=0)

@@ -35,11 +35,7 @@ def _decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale
     num_kv_heads = keys.shape[2]
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [B, Hk, G, L]
-    pos = torch.arange(keys.shape[1], device=q.device)
-    lens = meta.decode_context_lens.unsqueeze(1)
-    visible = pos < lens
-    if window is not None:
-        visible &= pos >= lens - window
+    visible = decode_mask(keys.shape[1], meta.decode_context_lens, window)
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     probs = scores.softmax(-1).to(values.dtype)
     out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hk, G, D]
@@ -50,6 +46,12 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCa
              chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
     if chunk.context_len > chunk.length:
         k, v = cache.gather(chunk.block_table, chunk.context_len, q.dtype)
+    return prefill_fresh(q, k, v, chunk, scale, window)
+
+
+def prefill_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, scale: float,
+                  window: int | None) -> torch.Tensor:
+    """Causal attention of a chunk's queries over k/v holding its whole context."""
     q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     mask = None
     if window is not None or chunk.context_len > chunk.length:
@@ -57,6 +59,16 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCa
     out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None,
                                          scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
+
+
+def decode_mask(length: int, context_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B, L] bool: which of the L gathered slots each decode query (the last token) sees."""
+    pos = torch.arange(length, device=context_lens.device)
+    lens = context_lens.unsqueeze(1)
+    visible = pos < lens
+    if window is not None:
+        visible &= pos >= lens - window
+    return visible
 
 
 def causal_mask(num_queries: int, context_len: int, window: int | None, device) -> torch.Tensor:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from slipstream.config import DTYPES, EngineConfig
+from slipstream.config import EngineConfig
 from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.detokenizer import Detokenizer, check_stop
 from slipstream.engine.model_runner import ModelRunner, StepOutput
@@ -20,6 +20,7 @@ from slipstream.engine.request import Request
 from slipstream.engine.scheduler import Scheduler
 from slipstream.engine.sequence import Sequence
 from slipstream.kvcache.cache import KVCache
+from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.layers.sampler import Sampler
 from slipstream.loader.model_loader import load_model
 from slipstream.outputs import Logprob, RequestMetrics, RequestOutput
@@ -27,6 +28,14 @@ from slipstream.platform import resolve_device, resolve_dtype
 from slipstream.sampling_params import SamplingParams
 
 logger = logging.getLogger("slipstream")
+
+CALIBRATION_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press. Within fifty years, "
+    "presses in more than two hundred European cities had printed millions of books, and the "
+    "price of a copy fell so far that scholars, merchants and students could own their own. "
+    "def mean(values):\n    return sum(values) / len(values)\n"
+)
 
 
 class LLMEngine:
@@ -48,21 +57,30 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._last_log = time.monotonic()
+        if self.kv_cache.needs_calibration:
+            self._calibrate_kv_cache()
         logger.info("model %s (%s) on %s, %s; KV cache %.0f MiB: %d blocks x %d tokens = %d tokens, %d bytes/token",
                     config.model, self.model_config.architecture, self.device, str(self.dtype).replace("torch.", ""),
                     config.kv_cache_memory / 2**20, self.kv_cache.num_blocks, config.block_size,
-                    self.kv_cache.num_blocks * config.block_size, self.kv_bytes_per_token)
+                    self.kv_cache.num_blocks * config.block_size, self.kv_cache.bytes_per_token)
 
     def _allocate_kv_cache(self, model) -> KVCache:
         c = self.config
-        kv_dtype = self.dtype if c.kv_cache_dtype == "auto" else _kv_dtype(c.kv_cache_dtype)
+        kv_dtype = parse_kv_cache_dtype(c.kv_cache_dtype, self.dtype)
         shapes = [(attn.num_kv_heads, attn.head_dim) for attn in model.attention_layers()]
-        self.kv_bytes_per_token = KVCache.bytes_per_token(shapes, kv_dtype)
-        num_blocks = c.kv_cache_memory // (self.kv_bytes_per_token * c.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes is too small for one block "
-                             f"({self.kv_bytes_per_token * c.block_size} bytes)")
-        return KVCache(shapes, num_blocks, c.block_size, kv_dtype, self.device)
+        return KVCache(shapes, kv_dtype, self.dtype, c.kv_cache_memory, c.block_size, self.device,
+                       c.kv_cache_dense_layers)
+
+    def _calibrate_kv_cache(self) -> None:
+        """Run a fixed prompt first, so TurboQuant's outlier channels never depend on user traffic."""
+        if self.tokenizer is not None:
+            prompt = self.tokenizer(CALIBRATION_TEXT).input_ids
+        else:
+            prompt = list(range(1, min(self.model_config.vocab_size, 257)))
+        self.add_request("calibration", prompt, SamplingParams(temperature=0, max_tokens=1))
+        while self.has_unfinished_requests():
+            self.step()
+        self.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_hits = 0
 
     # --- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -189,7 +207,7 @@ class LLMEngine:
             "num_cached_blocks": bm.num_cached_free_blocks,
             "num_free_blocks": bm.num_free_blocks,
             "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
-            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bytes_per_token": self.kv_cache.bytes_per_token,
             "block_size": bm.block_size,
             "prefix_cache_queries": queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
@@ -212,11 +230,3 @@ class LLMEngine:
                     "fragmentation %.1f%%", s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
                     100 * s["prefix_cache_hit_rate"], s["num_preemptions"], 100 * s["fragmentation"])
 
-
-KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
-
-
-def _kv_dtype(name: str) -> torch.dtype:
-    if name not in KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype={name!r} is not supported; allowed: 'auto', {', '.join(map(repr, KV_DTYPES))}")
-    return KV_DTYPES[name]

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from slipstream.kvcache.dtype import KVCacheDtype
+from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
+
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -41,15 +44,43 @@ class LayerKVCache:
 
 
 class KVCache:
-    """All layers' caches, sized from a memory budget; layers may differ in KV heads and head size."""
+    """All layers' caches, sized from a memory budget; layers may differ in KV heads and head size.
 
-    def __init__(self, layer_shapes: list[tuple[int, int]], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.num_blocks = num_blocks
+    With TurboQuant, the first and last `dense_layers` layers keep a bf16/fp32 cache.
+    """
+
+    def __init__(self, layer_shapes: list[tuple[int, int]], kv_dtype: KVCacheDtype, model_dtype: torch.dtype,
+                 memory: int, block_size: int, device: torch.device, dense_layers: int = 0):
+        n = len(layer_shapes)
+        self.turboquant = [kv_dtype.is_turboquant and dense_layers <= i < n - dense_layers for i in range(n)]
+        self.kv_dtype = kv_dtype
+        self.dense_dtype = kv_dtype.dense or model_dtype
+        self.bytes_per_token = self.bytes_per_token_of(layer_shapes, kv_dtype, model_dtype, dense_layers)
         self.block_size = block_size
-        self.layers = [LayerKVCache(num_blocks, block_size, heads, dim, dtype, device) for heads, dim in layer_shapes]
+        self.num_blocks = memory // (self.bytes_per_token * block_size)
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={memory} bytes is too small for one block "
+                             f"({self.bytes_per_token * block_size} bytes)")
+        self.layers = [self._layer(i, heads, dim, device) for i, (heads, dim) in enumerate(layer_shapes)]
 
     @staticmethod
-    def bytes_per_token(layer_shapes: list[tuple[int, int]], dtype: torch.dtype) -> int:
-        """K and V of one token, summed over layers. `layer_shapes`: (num_kv_heads, head_dim) per layer."""
-        return sum(2 * heads * dim * dtype.itemsize for heads, dim in layer_shapes)
+    def bytes_per_token_of(layer_shapes: list[tuple[int, int]], kv_dtype: KVCacheDtype,
+                           model_dtype: torch.dtype = torch.bfloat16, dense_layers: int = 0) -> int:
+        """K and V of one token, all layers. `layer_shapes`: (num_kv_heads, head_dim) per layer."""
+        n, total = len(layer_shapes), 0
+        for i, (heads, dim) in enumerate(layer_shapes):
+            if kv_dtype.is_turboquant and dense_layers <= i < n - dense_layers:
+                total += TurboQuantLayerCache.bytes_per_token(heads, dim, kv_dtype.bits, kv_dtype.key_mode)
+            else:
+                total += 2 * heads * dim * (kv_dtype.dense or model_dtype).itemsize
+        return total
+
+    def _layer(self, index: int, heads: int, dim: int, device: torch.device):
+        if self.turboquant[index]:
+            return TurboQuantLayerCache(self.num_blocks, self.block_size, heads, dim, self.kv_dtype.bits,
+                                        self.kv_dtype.key_mode, seed=index, device=device)
+        return LayerKVCache(self.num_blocks, self.block_size, heads, dim, self.dense_dtype, device)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(not getattr(layer, "calibrated", True) for layer in self.layers)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.attention.metadata import get_metadata
-from slipstream.attention.reference import paged_attention
+from slipstream.attention import attend
 from slipstream.config import ModelConfig
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
@@ -54,7 +54,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, self.kv_cache, get_metadata(), self.scale, self.sliding_window)
+        out = attend(q, k, v, self.kv_cache, get_metadata(), self.scale, self.sliding_window)
         return self.o_proj(out.flatten(1))
 
 

@@ -1,0 +1,101 @@
+"""TurboQuant in the engine: paged code storage, attention on codes, kv_cache_dtype, invariants."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream import LLM, SamplingParams
+from slipstream.attention import reference, turboquant
+from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
+from slipstream.kvcache.cache import KVCache
+from slipstream.kvcache.dtype import ALLOWED, parse_kv_cache_dtype
+from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
+from tests.engine.test_block_accounting import check_invariants
+
+SMOLLM2_SHAPES = [(3, 64)] * 30  # 30 layers, 3 KV heads of dim 64
+
+
+def _cache(kv_dtype: str, block_size: int = 4) -> TurboQuantLayerCache:
+    spec = parse_kv_cache_dtype(kv_dtype, torch.float32)
+    return TurboQuantLayerCache(16, block_size, 2, 64, spec.bits, spec.key_mode, seed=3, device=torch.device("cpu"))
+
+
+def _step(num_heads: int = 6):
+    """A mixed step: two decode tokens (contexts 7 and 10) and a 5-token chunk after a 6-token prefix."""
+    g = torch.Generator().manual_seed(0)
+    tables = torch.tensor([[0, 1, 0], [2, 3, 4]])
+    chunk_table = torch.tensor([5, 6, 7])
+    decode_slots = [tables[0, 6 // 4] * 4 + 6 % 4, tables[1, 9 // 4] * 4 + 9 % 4]
+    chunk_slots = [chunk_table[p // 4] * 4 + p % 4 for p in range(6, 11)]
+    meta = AttentionMetadata(slot_mapping=torch.tensor(decode_slots + chunk_slots), num_decode_tokens=2,
+                             decode_block_tables=tables, decode_context_lens=torch.tensor([7, 10]),
+                             prefills=[PrefillChunk(2, 5, 11, chunk_table)])
+    history = torch.randn(16 * 4, 2, 64, generator=g)  # earlier tokens, already in the cache
+    q = torch.randn(7, num_heads, 64, generator=g)
+    k, v = torch.randn(7, 2, 64, generator=g), torch.randn(7, 2, 64, generator=g)
+    return history, q, k, v, meta
+
+
+@pytest.mark.parametrize("kv_dtype", ["tq4", "tq3", "tq2.5", "tq3.5", "tq2", "tq3-qjl"])
+@pytest.mark.parametrize("window", [None, 4])
+def test_attention_on_codes_equals_dequantize_then_attend(kv_dtype, window):
+    history, q, k, v, meta = _step()
+    fast, slow = _cache(kv_dtype), _cache(kv_dtype)
+    all_slots = torch.arange(16 * 4)
+    for cache in (fast, slow):
+        cache.write(history, history.flip(0), all_slots)
+    ours = turboquant.paged_attention(q, k, v, fast, meta, 0.125, window)
+    ref = reference.paged_attention(q, k, v, slow, meta, 0.125, window)
+    assert torch.equal(fast.k, slow.k) and torch.equal(fast.v, slow.v)
+    assert torch.allclose(ours, ref, atol=2e-5, rtol=1e-4), (ours - ref).abs().max()
+
+
+def test_compression_ratios_per_token():
+    bf16 = KVCache.bytes_per_token_of(SMOLLM2_SHAPES, parse_kv_cache_dtype("auto", torch.bfloat16))
+    ratios = {name: bf16 / KVCache.bytes_per_token_of(SMOLLM2_SHAPES, parse_kv_cache_dtype(name, torch.bfloat16))
+              for name in ("fp8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2", "tq3-qjl")}
+    assert ratios["fp8"] == 2.0
+    assert ratios["tq3"] >= 4.5 and ratios["tq2.5"] >= 5.3  # the issue's targets at head_dim 64
+    assert ratios["tq2"] > ratios["tq2.5"] > ratios["tq3"] > ratios["tq3-qjl"] > ratios["tq3.5"] > ratios["tq4"] > 3.7
+
+
+def test_bad_kv_cache_dtype_lists_the_valid_ones():
+    with pytest.raises(ValueError) as e:
+        parse_kv_cache_dtype("tq5", torch.float32)
+    assert "kv_cache_dtype='tq5'" in str(e.value) and all(name in str(e.value) for name in ALLOWED)
+
+
+def test_more_blocks_fit_the_same_memory_and_dense_layers_knob(tiny_llama):
+    dense = LLM(tiny_llama, dtype="float32", kv_cache_memory=2**20).stats()
+    tq3 = LLM(tiny_llama, dtype="float32", kv_cache_memory=2**20, kv_cache_dtype="tq3")
+    assert tq3.stats()["num_blocks"] > 4 * dense["num_blocks"]
+    mixed = LLM(tiny_llama, dtype="float32", kv_cache_dtype="tq3", kv_cache_dense_layers=1)
+    assert mixed.engine.kv_cache.turboquant == [False, False]  # 2 layers: first and last stay dense
+    assert mixed.stats()["kv_bytes_per_token"] == dense["kv_bytes_per_token"]
+
+
+def test_prefix_caching_and_preemption_invariants_with_tq3(tiny_llama):
+    block_bytes = 16 * KVCache.bytes_per_token_of([(2, 16)] * 2, parse_kv_cache_dtype("tq3", torch.float32))
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_dtype="tq3", kv_cache_memory=8 * block_bytes)
+    engine = llm.engine
+    prompts = [[3 + i % 40 for i in range(n)] for n in (20, 37, 45, 30, 52)]  # shared prefixes
+    for i, p in enumerate(prompts * 2):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_invariants(engine)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["num_used_blocks"] == 0
+
+
+@pytest.mark.slow
+def test_tq4_greedy_stays_coherent_on_smollm2():
+    prompts = ["The capital of France is", "Water boils at a temperature of", "The largest planet in the solar system is",
+               "In 1492, Christopher Columbus"]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    full = LLM("smollm2-135m", dtype="float32").generate(prompts, params, use_tqdm=False)
+    tq4 = LLM("smollm2-135m", dtype="float32", kv_cache_dtype="tq4").generate(prompts, params, use_tqdm=False)
+    # measured: two prompts agree on all 8 tokens, the other two diverge after 2 (near-ties of a 135M model)
+    pairs = [(a.outputs[0].token_ids, b.outputs[0].token_ids) for a, b in zip(full, tq4)]
+    assert all(a[:2] == b[:2] for a, b in pairs)
+    assert sum(a == b for a, b in pairs) >= 2
