@@ -1,12 +1,19 @@
 """Reading a GGUF file: its metadata into a ModelConfig, its tensors into HF-named float tensors.
 
-Quantized tensors (Q4_1, Q8_0, k-quants, ...) are dequantized with the `gguf` package.
-llama.cpp's converter permutes the rows of llama Q and K projections for its rope layout;
-we undo that so the weights match the HF layout our model code uses.
+Each supported `general.architecture` has one entry in `GGUF_ARCHITECTURES`: which HF
+architecture it is, how its metadata keys and tensor names map to transformers' names,
+which config values the file does not store, and which of llama.cpp's conversions to undo.
+The metadata becomes an HF-style config dict that the model class parses like config.json.
+
+Quantized tensors (Q4_1, Q5_0, Q8_0, k-quants, ...) are dequantized with the `gguf` package.
+llama.cpp's converter permutes the rows of llama Q and K projections for its rope layout,
+and stores Gemma's norm weights as 1 + weight; we undo both so the weights match the HF
+layout our model code uses.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -15,15 +22,48 @@ import torch
 from slipstream.config import ModelConfig
 from slipstream.loader.hf_config import UnsupportedModelError
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-
-_LAYER_NAMES = {
+# GGUF key (after "<arch>.") -> HF config key; keys a file lacks are left out
+_CONFIG_KEYS = {
+    "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers", "context_length": "max_position_embeddings",
+    "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+}
+_LLAMA_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    hf_architecture: str
+    layer_names: dict[str, str]              # blk.N.<gguf name> -> model.layers.N.<hf name>
+    config_keys: dict[str, str] = field(default_factory=lambda: _CONFIG_KEYS)
+    defaults: dict = field(default_factory=dict)  # HF config values the file does not store
+    unpermute_qk: bool = False               # undo llama.cpp's rope row permutation of Q/K
+    norm_offset: float = 0.0                 # subtracted from every *norm.weight
+
+
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", _LLAMA_LAYER_NAMES, unpermute_qk=True),
+    "gemma3": GGUFArchitecture(
+        "Gemma3ForCausalLM",
+        {**_LLAMA_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+         "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+        config_keys={**_CONFIG_KEYS, "attention.sliding_window": "sliding_window",
+                     "final_logit_softcapping": "final_logit_softcapping"},
+        # Not stored in Gemma 3 GGUF files; the architecture's documented defaults, which both
+        # transformers (Gemma3TextConfig) and llama.cpp assume: every 6th layer global, local
+        # rope base 10000, attention scale 256 ** -0.5 (= head_dim ** -0.5 for head_dim 256).
+        defaults={"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256},
+        norm_offset=1.0,  # llama.cpp's converter stores Gemma norms as 1 + weight
+    ),
+}
 
 
 class GGUFFile:
@@ -42,40 +82,48 @@ class GGUFFile:
         f = self.reader.fields.get(key)
         return default if f is None else f.contents()
 
-    def model_config(self) -> ModelConfig:
-        if self.arch not in SUPPORTED_GGUF_ARCHITECTURES:
+    @property
+    def spec(self) -> GGUFArchitecture:
+        if self.arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"GGUF architecture {self.arch!r} in {self.path} is not supported; "
-                f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-        a = self.arch
-        hidden = self.field(f"{a}.embedding_length")
-        heads = self.field(f"{a}.attention.head_count")
+                f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+        return GGUF_ARCHITECTURES[self.arch]
+
+    def hf_config(self) -> dict:
+        """The metadata as an HF config.json dict."""
+        spec = self.spec
+        cfg = dict(spec.defaults)
+        for key, hf_key in spec.config_keys.items():
+            value = self.field(f"{self.arch}.{key}")
+            if value is not None:
+                cfg[hf_key] = value
+        cfg.update(architectures=[spec.hf_architecture],
+                   vocab_size=self.tensors["token_embd.weight"].shape[1].item(),
+                   tie_word_embeddings="output.weight" not in self.tensors,
+                   bos_token_id=self.field("tokenizer.ggml.bos_token_id"))
+        return cfg
+
+    def model_config(self) -> ModelConfig:
+        from slipstream.models.registry import ARCHITECTURES
+
+        arch = self.spec.hf_architecture
+        config = ARCHITECTURES[arch].config_from_hf(arch, self.hf_config())
         eos = self.field("tokenizer.ggml.eos_token_id")
-        return ModelConfig(
-            architecture="LlamaForCausalLM",
-            vocab_size=self.tensors["token_embd.weight"].shape[1].item(),
-            hidden_size=hidden,
-            intermediate_size=self.field(f"{a}.feed_forward_length"),
-            num_hidden_layers=self.field(f"{a}.block_count"),
-            num_attention_heads=heads,
-            num_key_value_heads=self.field(f"{a}.attention.head_count_kv", heads),
-            head_dim=self.field(f"{a}.attention.key_length", hidden // heads),
-            max_position_embeddings=self.field(f"{a}.context_length"),
-            rms_norm_eps=self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-            rope_theta=self.field(f"{a}.rope.freq_base", 10000.0),
-            tie_word_embeddings="output.weight" not in self.tensors,
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[] if eos is None else [eos],
-        )
+        config.eos_token_ids = [] if eos is None else [eos]
+        return config
 
     def hf_weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        spec = self.spec
         for name, tensor in self.tensors.items():
-            hf_name = hf_tensor_name(name)
+            hf_name = hf_tensor_name(name, spec.layer_names)
             w = torch.from_numpy(dequantize(tensor))
-            if hf_name.endswith("self_attn.q_proj.weight"):
+            if spec.unpermute_qk and hf_name.endswith("self_attn.q_proj.weight"):
                 w = unpermute_rope_rows(w, config.num_attention_heads)
-            elif hf_name.endswith("self_attn.k_proj.weight"):
+            elif spec.unpermute_qk and hf_name.endswith("self_attn.k_proj.weight"):
                 w = unpermute_rope_rows(w, config.num_key_value_heads)
+            elif spec.norm_offset and hf_name.endswith("norm.weight"):
+                w = w - spec.norm_offset
             yield hf_name, w
 
 
@@ -86,10 +134,10 @@ def dequantize(tensor) -> np.ndarray:
     return array if array.flags.writeable else array.copy()  # memory-mapped F32 data is read-only
 
 
-def hf_tensor_name(name: str) -> str:
+def hf_tensor_name(name: str, layer_names: dict[str, str]) -> str:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
     if m and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"

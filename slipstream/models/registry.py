@@ -8,13 +8,25 @@ from __future__ import annotations
 from torch import nn
 
 from slipstream.config import ModelConfig
+from slipstream.models.gemma3 import Gemma3ForCausalLM
+from slipstream.models.gemma4 import Gemma4ForCausalLM
 from slipstream.models.llama import LlamaForCausalLM
+from slipstream.models.mixtral import MixtralForCausalLM
+from slipstream.models.olmoe import OlmoeForCausalLM
+from slipstream.models.qwen_moe import QwenMoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
+    "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # text model only
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -1,0 +1,220 @@
+"""Mixture of experts: a top-k router, experts as stacked weights, execution grouped by expert.
+
+One `SparseMoeBlock` replaces a dense MLP. The router scores every expert for every token
+(linear -> softmax in float32 -> top-k, optionally renormalising the k weights). The
+experts' weights are stacked tensors, `gate_up_proj` [E, 2*I, H] and `down_proj` [E, H, I]
+(transformers 5's fused layout). Execution is grouped by expert: the (token, expert) pairs
+are sorted by expert, each expert runs once on all its tokens, and the weighted outputs
+are scatter-added back to their tokens. Options of the same block cover the families:
+
+- a shared expert that every token passes through, scaled by its own sigmoid gate (Qwen2-MoE);
+- Gemma 4's router: the router reads its own input (the pre-norm residual), RMS-normalised
+  and scaled, and each expert's weight is multiplied by a learned per-expert scale.
+
+The block counts how many tokens each expert received (`expert_counts`, accumulated until
+reset); `load_balance_summary` prints those counts. This module never knows checkpoint
+names beyond the stacked layout (`stack_expert_weights` builds it from per-expert tensors).
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation without a learned scale, computed in float32, returned in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused into one matmul (a dense or shared expert)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class TopKRouter(nn.Module):
+    """Scores -> softmax (float32) -> top-k; returns (weights [T, k] float32, expert ids [T, k])."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 input_scale: bool = False, per_expert_scale: bool = False, eps: float = 1e-6):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.scale = nn.Parameter(torch.ones(hidden_size)) if input_scale else None
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts)) if per_expert_scale else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scale is not None:  # Gemma 4: normalised input, learned scale, 1/sqrt(H)
+            x = rms_norm(x, self.eps) * self.scale * x.shape[-1] ** -0.5
+        probs = F.linear(x, self.weight).float().softmax(dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.per_expert_scale is not None:
+            weights = weights * self.per_expert_scale[ids].float()
+        return weights, ids
+
+
+class Experts(nn.Module):
+    """E gated MLPs held as stacked weights, run grouped by expert."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str = "silu"):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; weights, ids [T, k]; counts [E] = pairs per expert. Returns [T, H]."""
+        k = ids.shape[1]
+        order = ids.flatten().argsort(stable=True)  # pairs grouped by expert, expert 0 first
+        token = order // k
+        xs = x[token]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # one host sync per layer, not per expert
+            if n:
+                ys[start:start + n] = self.expert(e, xs[start:start + n])
+                start += n
+        ys.mul_(weights.flatten()[order].unsqueeze(1).to(ys.dtype))
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_proj[e])
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + grouped experts (+ optional sigmoid-gated shared expert); counts tokens per expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, act: str = "silu", shared_expert_intermediate_size: int = 0,
+                 router_input_scale: bool = False, per_expert_scale: bool = False, eps: float = 1e-6):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, router_input_scale, per_expert_scale, eps)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, act)
+        self.shared_expert = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, act)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `router_input` (default x) is what the router scores."""
+        weights, ids = self.gate(x if router_input is None else router_input)
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        self.expert_counts += counts
+        out = self.experts(x, weights, ids, counts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def reset_counts(self) -> None:
+        self.expert_counts.zero_()
+
+
+def routing_stats(layers: Iterable[nn.Module]) -> dict[int, list[int]]:
+    """{decoder layer index: tokens routed to each expert} for every layer whose MLP is a SparseMoeBlock."""
+    return {i: block.expert_counts.tolist() for i, block in _moe_blocks(layers)}
+
+
+def reset_routing_stats(layers: Iterable[nn.Module]) -> None:
+    for _, block in _moe_blocks(layers):
+        block.reset_counts()
+
+
+def _moe_blocks(layers: Iterable[nn.Module]) -> Iterator[tuple[int, SparseMoeBlock]]:
+    for i, layer in enumerate(layers):
+        block = next((m for m in layer.modules() if isinstance(m, SparseMoeBlock)), None)
+        if block is not None:
+            yield i, block
+
+
+def load_balance_summary(expert_load: dict[int, list[int]]) -> str:
+    """A table: per layer, routed pairs, max/mean and min/mean load (1.00 = perfectly balanced)."""
+    lines = ["layer  pairs  max/mean  min/mean  busiest  idle experts"]
+    for layer, counts in expert_load.items():
+        total = sum(counts)
+        mean = total / len(counts)
+        if not total:
+            lines.append(f"{layer:5d}  {0:5d}         -         -        -  {len(counts)}")
+            continue
+        busiest = max(range(len(counts)), key=counts.__getitem__)
+        lines.append(f"{layer:5d}  {total:5d}  {max(counts) / mean:8.2f}  {min(counts) / mean:8.2f}  "
+                     f"{busiest:7d}  {counts.count(0)}")
+    return "\n".join(lines)
+
+
+# --- checkpoint layout ----------------------------------------------------------------------
+# per-expert tensor name -> (stacked parameter, shard in gate_up or None for down)
+_EXPERT_PROJ = {
+    "w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0),
+    "w3": ("gate_up_proj", 1), "up_proj": ("gate_up_proj", 1),
+    "w2": ("down_proj", None), "down_proj": ("down_proj", None),
+}
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_expert_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                         num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn per-expert tensors (`...experts.3.w1.weight`, `...experts.3.gate_proj.weight`) into
+    stacked ones (`...experts.gate_up_proj` [E, 2I, H], `...experts.down_proj` [E, H, I]).
+
+    Other tensors, including already stacked experts, pass through unchanged. A stacked
+    tensor is emitted as soon as all its experts have been read; an incomplete set is an error.
+    """
+    pending: dict[str, dict[int, dict]] = {}
+    for name, tensor in weights:
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        if expert >= num_experts:
+            raise ValueError(f"checkpoint tensor {name!r} names expert {expert}, but the model has {num_experts}")
+        target, shard = _EXPERT_PROJ[proj]
+        key = f"{prefix}.{target}"
+        parts = pending.setdefault(key, {})
+        parts.setdefault(expert, {})[shard] = tensor
+        shards = 2 if shard is not None else 1
+        if len(parts) == num_experts and all(len(p) == shards for p in parts.values()):
+            yield key, torch.stack([_expert_tensor(parts[e]) for e in range(num_experts)])
+            del pending[key]
+    if pending:
+        key, parts = next(iter(pending.items()))
+        raise ValueError(f"checkpoint has an incomplete set of expert tensors for {key!r}: "
+                         f"experts {sorted(parts)} of {num_experts}")
+
+
+def _expert_tensor(parts: dict) -> torch.Tensor:
+    return parts[None] if None in parts else torch.cat([parts[0], parts[1]])

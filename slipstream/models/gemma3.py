@@ -1,0 +1,221 @@
+"""Gemma 3 (text): multi-query attention, local sliding-window layers interleaved with global ones.
+
+Differences from the llama family, each in one place below:
+- embeddings are scaled by sqrt(hidden_size), the factor rounded to the model dtype first;
+- Gemma's RMSNorm scales by (1 + weight), in float32, before casting back;
+- per-head q/k norms, and a norm after attention and after the MLP as well as before them;
+- gated GELU (tanh approximation) MLP;
+- local layers attend to the last `sliding_window` tokens and use their own rope base;
+  global layers see the whole context with rope_theta (and its scaling, if any);
+- attention scale is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5;
+- optional tanh soft-capping of the final logits; tied LM head. Gemma 3 replaced Gemma 2's
+  soft-capping of attention scores with the q/k norms: `attn_logit_softcapping` is ignored,
+  as transformers (the reference) ignores it.
+
+Text-only: `Gemma3ForCausalLM` checkpoints and `gemma3` GGUF files. The multimodal
+`Gemma3ForConditionalGeneration` (vision tower, nested config) is not supported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.attention.metadata import get_metadata
+from slipstream.attention import attend
+from slipstream.config import ModelConfig
+from slipstream.layers.rotary import RotaryEmbedding
+from slipstream.loader.hf_config import UnsupportedModelError
+from slipstream.models.llama import load_stacked_weights
+
+# checkpoint name fragment -> (fused parameter fragment, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass
+class Gemma3Config(ModelConfig):
+    layer_types: list[str] = field(default_factory=list)  # SLIDING or FULL, one per layer
+    query_pre_attn_scalar: float = 256.0
+    rope_local_theta: float = 10000.0                    # rope base of the sliding layers
+    final_logit_softcapping: float | None = None
+
+
+def _rope_bases(cfg: dict) -> tuple[float, dict | None, float]:
+    """(global theta, global scaling dict, local theta) from the v5 or the v4 config layout."""
+    rope = cfg.get("rope_parameters") or {}
+    if FULL in rope or SLIDING in rope:  # transformers v5: one dict per layer type
+        full, local = rope.get(FULL) or {}, rope.get(SLIDING) or {}
+        return full.get("rope_theta", 1e6), full or None, local.get("rope_theta", 10000.0)
+    scaling = cfg.get("rope_scaling")
+    return cfg.get("rope_theta", 1e6), scaling, cfg.get("rope_local_base_freq", 10000.0)
+
+
+def _layer_types(cfg: dict) -> list[str]:
+    types = cfg.get("layer_types")
+    if types is None:  # older configs: every `pattern`-th layer is global
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(cfg["num_hidden_layers"])]
+    unknown = sorted(set(types) - {SLIDING, FULL})
+    if unknown or len(types) != cfg["num_hidden_layers"]:
+        raise UnsupportedModelError(f"layer_types must list {cfg['num_hidden_layers']} of {SLIDING!r}/{FULL!r}, "
+                                    f"got {len(types)} with unknown {unknown}")
+    return list(types)
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm that scales by (1 + weight) in float32 and casts last (llama casts, then scales)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: Gemma3Config, layer_type: str, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.scale = config.query_pre_attn_scalar ** -0.5
+        self.sliding_window = config.sliding_window if layer_type == SLIDING else None
+        self.kv_cache = None  # bound by the model runner once the cache is allocated
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = attend(q, k, v, self.kv_cache, get_metadata(), self.scale, self.sliding_window)
+        return self.o_proj(out.flatten(1))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: Gemma3Config):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Gemma3Config, layer_type: str, rotary: RotaryEmbedding):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.self_attn = Gemma3Attention(config, layer_type, rotary)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.mlp = Gemma3MLP(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Gemma3Config):
+        super().__init__()
+        rotary = {
+            FULL: RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                  config.rope_scaling),
+            SLIDING: RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_local_theta),
+        }
+        self.embed_scale = config.hidden_size ** 0.5
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, t, rotary[t]) for t in config.layer_types)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # the factor is rounded to the model dtype first, as in the reference (sqrt(640) -> 25.25 in bf16)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    @staticmethod
+    def config_from_hf(arch: str, cfg: dict) -> Gemma3Config:
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("Gemma 3 configs with use_bidirectional_attention=true are not supported")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise UnsupportedModelError(f"Gemma 3 hidden_activation {act!r} is not supported; "
+                                        "supported: 'gelu_pytorch_tanh'")
+        heads = cfg["num_attention_heads"]
+        rope_theta, rope_scaling, rope_local_theta = _rope_bases(cfg)
+        return Gemma3Config(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            attention_bias=cfg.get("attention_bias", False),
+            attention_out_bias=cfg.get("attention_bias", False),
+            qk_norm=True,
+            sliding_window=cfg.get("sliding_window", 4096),
+            hidden_act="gelu_pytorch_tanh",
+            bos_token_id=cfg.get("bos_token_id"),
+            layer_types=_layer_types(cfg),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+            rope_local_theta=rope_local_theta,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+
+    def __init__(self, config: Gemma3Config):
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        return logits.float()
+
+    def attention_layers(self) -> list[Gemma3Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_stacked_weights(self, weights, _STACKED)

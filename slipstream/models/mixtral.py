@@ -1,0 +1,145 @@
+"""Mixtral: the llama decoder with its MLP replaced by a sparse mixture of experts.
+
+Attention, norms and rotary embedding are llama's; each layer's MLP is a `SparseMoeBlock`
+(8 experts, top-2, the two weights renormalised to sum to 1). Qwen2-MoE, Qwen3-MoE and
+OLMoE are built on this class and change only the attention and the MLP of each layer
+(`attention()` and `mlp()`), and the config they read.
+
+Checkpoints store experts either one tensor per expert (`block_sparse_moe.experts.3.w1.weight`,
+as transformers' `save_pretrained` writes them) or stacked (`mlp.experts.gate_up_proj`);
+`load_weights` accepts both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from slipstream.config import ModelConfig
+from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats, stack_expert_weights
+from slipstream.layers.norm import RMSNorm
+from slipstream.layers.rotary import RotaryEmbedding
+from slipstream.loader.hf_config import rope_parameters
+from slipstream.models.llama import _STACKED, LlamaAttention, load_stacked_weights
+
+
+@dataclass
+class MoeConfig(ModelConfig):
+    """A llama-like decoder whose MLPs are mixtures of experts."""
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0     # width of one expert
+    norm_topk_prob: bool = True        # renormalise the k routing weights to sum to 1
+
+
+class MoeDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoeModel(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class MixtralForCausalLM(nn.Module):
+    # checkpoint name fragment -> our module path, applied before loading
+    RENAMES = {".block_sparse_moe.": ".mlp."}
+
+    @staticmethod
+    def config_from_hf(arch: str, cfg: dict) -> MoeConfig:
+        return MoeConfig(**common_fields(arch, cfg), attention_bias=cfg.get("attention_bias", False),
+                         sliding_window=cfg.get("sliding_window"),
+                         num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                         moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+
+    def __init__(self, config: MoeConfig):
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        layers = [MoeDecoderLayer(config, self.attention(config, rotary, i), self.mlp(config, i))
+                  for i in range(config.num_hidden_layers)]
+        self.model = MoeModel(config, layers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention(self, config: MoeConfig, rotary: RotaryEmbedding, layer: int) -> nn.Module:
+        return LlamaAttention(config, rotary)
+
+    def mlp(self, config: MoeConfig, layer: int) -> nn.Module:
+        return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                              config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def routing_stats(self) -> dict[int, list[int]]:
+        """Tokens each expert has received so far, per MoE layer (the engine's `expert_load`)."""
+        return routing_stats(self.model.layers)
+
+    def reset_routing_stats(self) -> None:
+        reset_routing_stats(self.model.layers)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = stack_expert_weights(rename_weights(weights, self.RENAMES), self.config.num_experts)
+        load_stacked_weights(self, weights, _STACKED)
+
+
+def common_fields(arch: str, cfg: dict) -> dict:
+    """The ModelConfig fields every llama-like family reads the same way."""
+    heads = cfg["num_attention_heads"]
+    rope_theta, rope_scaling = rope_parameters(cfg)
+    return dict(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        hidden_act=cfg.get("hidden_act", "silu"),
+        bos_token_id=cfg.get("bos_token_id"),
+    )
+
+
+def rename_weights(weights: Iterable[tuple[str, torch.Tensor]], renames: dict[str, str]):
+    """Replace the first matching fragment of each name (checkpoint layout -> ours)."""
+    for name, tensor in weights:
+        for old, new in renames.items():
+            if old in name:
+                name = name.replace(old, new, 1)
+                break
+        yield name, tensor
