@@ -1,0 +1,149 @@
+"""The MoE layer against direct computations: routing, grouped execution, counters, weight stacking."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slipstream.layers.moe import SparseMoeBlock, TopKRouter, load_balance_summary, stack_expert_weights
+
+H, I = 16, 24
+
+
+def make_block(num_experts=4, top_k=2, seed=0, **options) -> SparseMoeBlock:
+    torch.manual_seed(seed)
+    block = SparseMoeBlock(H, I, num_experts, top_k, **options)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5 + (1.0 if p.dim() == 1 else 0.0))  # 1-d: scales around 1
+    return block
+
+
+def direct_route(router: TopKRouter, x: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    """Top-k by sorting each token's probabilities in Python."""
+    if router.scale is not None:
+        x = x / x.pow(2).mean(-1, keepdim=True).add(router.eps).sqrt() * router.scale / math.sqrt(x.shape[-1])
+    ids, weights = [], []
+    for row in (x @ router.weight.T).softmax(-1).tolist():
+        best = sorted(range(len(row)), key=lambda e: -row[e])[:router.top_k]
+        w = [row[e] for e in best]
+        if router.renormalize:
+            w = [v / sum(w) for v in w]
+        if router.per_expert_scale is not None:
+            w = [v * router.per_expert_scale[e].item() for v, e in zip(w, best)]
+        ids.append(best)
+        weights.append(w)
+    return ids, weights
+
+
+def direct_forward(block: SparseMoeBlock, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+    """Token by token: the weighted sum of its k experts (+ the gated shared expert)."""
+    ids, weights = direct_route(block.gate, x if router_input is None else router_input)
+    gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+    rows = []
+    for t in range(x.shape[0]):
+        out = torch.zeros(H)
+        for e, w in zip(ids[t], weights[t]):
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out += w * (down[e] @ (F.silu(gate) * up))
+        if block.shared_expert is not None:
+            out += torch.sigmoid(block.shared_expert_gate.weight @ x[t]) * block.shared_expert(x[t:t + 1])[0]
+        rows.append(out)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("gemma", [False, True], ids=["plain", "gemma-scales"])
+def test_router_topk_and_weights_match_direct_computation(renormalize, gemma):
+    block = make_block(num_experts=6, top_k=3, renormalize=renormalize, router_input_scale=gemma, per_expert_scale=gemma)
+    x = torch.randn(40, H)
+    weights, ids = block.gate(x)
+    expected_ids, expected_weights = direct_route(block.gate, x)
+    assert ids.tolist() == expected_ids
+    assert torch.allclose(weights, torch.tensor(expected_weights), atol=1e-6)
+    if renormalize and not gemma:
+        assert torch.allclose(weights.sum(-1), torch.ones(40))
+
+
+@pytest.mark.parametrize("options", [
+    dict(renormalize=True),
+    dict(renormalize=False, shared_expert_intermediate_size=20),
+    dict(renormalize=True, router_input_scale=True, per_expert_scale=True),
+], ids=["mixtral", "qwen2-shared-expert", "gemma4-router"])
+def test_grouped_execution_matches_token_by_token(options):
+    block = make_block(num_experts=5, top_k=2, **options)
+    x = torch.randn(33, H)
+    router_input = torch.randn(33, H) if options.get("router_input_scale") else None
+    with torch.no_grad():
+        out = block(x, router_input=router_input)
+        expected = direct_forward(block, x, router_input)
+    assert torch.allclose(out, expected, atol=1e-5), (out - expected).abs().max()
+
+
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(1, 40), num_experts=st.integers(1, 9), data=st.data())
+def test_counts_and_distinct_experts(tokens, num_experts, data):
+    top_k = data.draw(st.integers(1, num_experts))
+    block = make_block(num_experts=num_experts, top_k=top_k, seed=tokens, renormalize=True)
+    x = torch.randn(tokens, H)
+    with torch.no_grad():
+        _, ids = block.gate(x)
+        out = block(x)
+    assert all(len(set(row)) == top_k for row in ids.tolist())  # never the same expert twice for a token
+    assert block.expert_counts.sum().item() == tokens * top_k
+    assert block.expert_counts.tolist() == torch.bincount(ids.flatten(), minlength=num_experts).tolist()
+    assert torch.allclose(out, direct_forward(block, x), atol=1e-5)
+
+
+def test_counts_accumulate_until_reset():
+    block = make_block(renormalize=True)
+    with torch.no_grad():
+        block(torch.randn(7, H))
+        block(torch.randn(5, H))
+    assert block.expert_counts.sum().item() == (7 + 5) * 2
+    block.reset_counts()
+    assert block.expert_counts.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_one_expert_receiving_every_token(top_k):
+    block = make_block(num_experts=4, top_k=top_k, renormalize=True)
+    with torch.no_grad():
+        block.gate.weight.zero_()
+        block.gate.weight[2] = 10.0  # inputs are positive: expert 2 wins for every token
+    x = torch.rand(50, H) + 0.1
+    with torch.no_grad():
+        out = block(x)
+    assert block.expert_counts[2].item() == 50
+    assert block.expert_counts.sum().item() == 50 * top_k
+    assert torch.allclose(out, direct_forward(block, x), atol=1e-5)
+
+
+def test_stack_expert_weights_matches_manual_stack():
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"m.experts.{e}.{p}.weight": torch.randn(3, 2, generator=g) for e in range(2) for p in ("w1", "w3")}
+    tensors.update({f"m.experts.{e}.w2.weight": torch.randn(2, 3, generator=g) for e in range(2)})
+    tensors["m.gate.weight"] = torch.randn(2, 2, generator=g)
+    out = dict(stack_expert_weights(tensors.items(), num_experts=2))
+    assert set(out) == {"m.experts.gate_up_proj", "m.experts.down_proj", "m.gate.weight"}
+    for e in range(2):
+        assert torch.equal(out["m.experts.gate_up_proj"][e],
+                           torch.cat([tensors[f"m.experts.{e}.w1.weight"], tensors[f"m.experts.{e}.w3.weight"]]))
+        assert torch.equal(out["m.experts.down_proj"][e], tensors[f"m.experts.{e}.w2.weight"])
+
+
+def test_stack_expert_weights_rejects_missing_expert():
+    tensors = [(f"m.experts.0.{p}.weight", torch.zeros(3, 2)) for p in ("gate_proj", "up_proj", "down_proj")]
+    with pytest.raises(ValueError, match="incomplete set of expert tensors"):
+        list(stack_expert_weights(tensors, num_experts=2))
+
+
+def test_load_balance_summary():
+    text = load_balance_summary({0: [30, 10, 0, 0], 3: [10, 10, 10, 10]})
+    rows = [line.split() for line in text.splitlines()[1:]]
+    assert rows[0] == ["0", "40", "3.00", "0.00", "0", "2"]
+    assert rows[1] == ["3", "40", "1.00", "1.00", "0", "0"]
