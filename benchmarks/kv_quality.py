@@ -1,0 +1,154 @@
+"""KV-cache dtypes on SmolLM2: memory, quality and speed, every figure from this run.
+
+For each kv_cache_dtype: bytes per token (all layers, K+V) and ratio vs bf16; perplexity
+and mean KL divergence of next-token distributions against the float32 cache on real
+English text (docstrings of the Python standard library, read at run time), fed in
+chunks of 64 tokens so that attention READS the compressed cache; passkey retrieval at a
+2k-token context (also chunked); decode tok/s at a 2k context against the bf16 cache;
+and how many 2k-token sequences fit one fixed kv_cache_memory. Plots quality vs bits.
+
+    python benchmarks/kv_quality.py [--tokens 1024] [--out benchmarks/out]
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import os
+import time
+
+import torch
+
+from slipstream import LLM, SamplingParams
+
+DTYPES = ["float32", "bfloat16", "fp8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2", "tq4-qjl", "tq3-qjl"]
+KNOBS = [("tq3", 2), ("tq2.5", 2)]  # (dtype, first/last layers kept in 16 bits)
+CHUNK = 64
+MEMORY = 256 * 2**20
+
+
+def english_text() -> str:
+    import argparse as a, collections, json, logging, pathlib, subprocess, unittest
+    return "\n\n".join(inspect.getdoc(m) or "" for m in (a, collections, json, logging, pathlib, subprocess, unittest))
+
+
+def next_token_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Log-softmax rows [len(ids)-1, vocab] for positions 0..n-2, computed chunk by chunk."""
+    model, rows = llm.engine.runner.model, []
+    original = model.compute_logits
+    model.compute_logits = lambda hidden: rows.append(original(hidden)) or rows[-1]
+    try:
+        llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        model.compute_logits = original
+    return torch.cat(rows)[: len(ids) - 1].log_softmax(-1)
+
+
+def quality(kv_dtype: str, dense_layers: int, ids: list[int], reference: torch.Tensor | None):
+    llm = LLM("smollm2-135m", dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_dense_layers=dense_layers,
+              max_num_batched_tokens=CHUNK, enable_prefix_caching=False)
+    logprobs = next_token_logprobs(llm, ids)
+    targets = torch.tensor(ids[1:]).unsqueeze(1)
+    ppl = math.exp(-logprobs.gather(1, targets).mean().item())
+    kl = 0.0 if reference is None else (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
+    return llm, logprobs, ppl, kl
+
+
+def passkey(llm: LLM, context: int, trials: int = 4) -> float:
+    tok = llm.get_tokenizer()
+    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    hits = 0
+    for t in range(trials):
+        key = str(10000 + 7919 * (t + 1) % 90000)
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+        body = tok(filler * (context // 20)).input_ids[: context - 60]
+        depth = len(body) * (t + 1) // (trials + 1)
+        prompt = (body[:depth] + tok(needle).input_ids + body[depth:] +
+                  tok(" What is the pass key? The pass key is").input_ids)
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+        hits += key in out.outputs[0].text
+    return hits / trials
+
+
+def decode_speed(kv_dtype: str, context: int, new_tokens: int = 48) -> float:
+    llm = LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype=kv_dtype, max_num_batched_tokens=512)
+    prompt = torch.randint(100, 49152, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    return 1.0 / out[0].metrics.tpot
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--out", default="benchmarks/out")
+    parser.add_argument("--skip-speed", action="store_true")
+    args = parser.parse_args()
+    rows, reference = [], None
+    for kv_dtype, dense in [(d, 0) for d in DTYPES] + KNOBS:
+        start = time.monotonic()
+        llm, logprobs, ppl, kl = quality(kv_dtype, dense, None or _ids(args.tokens), reference)
+        reference = logprobs if reference is None else reference
+        stats = llm.stats()
+        bf16_bytes = 2 * 30 * 3 * 64 * 2
+        fits = LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_dense_layers=dense,
+                   kv_cache_memory=MEMORY).stats()["num_blocks"] * 16 // args.context
+        key = passkey(llm, args.context)
+        speed = (decode_speed(kv_dtype, args.context) if not args.skip_speed and dense == 0 and
+                 kv_dtype in ("bfloat16", "fp8", "tq4", "tq3", "tq2.5") else None)
+        name = kv_dtype + (f" +{dense} dense" if dense else "")
+        rows.append((name, stats["kv_bytes_per_token"], bf16_bytes / stats["kv_bytes_per_token"], ppl, kl, key, speed, fits))
+        print(f"{name:18s} {rows[-1][1]:6d} B/token {rows[-1][2]:5.2f}x  ppl {ppl:7.3f}  KL {kl:.4f}  "
+              f"passkey {key:.2f}  fits {fits:3d}  " + (f"decode {speed:.1f} tok/s" if speed else "") +
+              f"  ({time.monotonic() - start:.0f} s)", flush=True)
+    print_table(rows, args)
+    plot(rows, os.path.join(args.out, "kv_quality.png"))
+
+
+_TEXT_IDS: list[int] = []
+
+
+def _ids(n: int) -> list[int]:
+    if not _TEXT_IDS:
+        from transformers import AutoTokenizer
+        from slipstream.loader.registry import resolve_model_path
+        path = resolve_model_path("smollm2-135m")
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        _TEXT_IDS.extend(tok(english_text()).input_ids[:n])
+    return _TEXT_IDS
+
+
+def print_table(rows, args) -> None:
+    base_ppl = rows[0][3]
+    speeds = {r[0]: r[6] for r in rows if r[6]}
+    print(f"\n| kv_cache_dtype | bytes/token | vs bf16 | perplexity ({args.tokens} tok) | vs fp32 | mean KL | "
+          f"passkey @{args.context} | decode @{args.context} vs bf16 | seqs of {args.context} in {MEMORY >> 20} MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, nbytes, ratio, ppl, kl, key, speed, fits in rows:
+        rel = f"{speed / speeds['bfloat16']:.2f}x" if speed and "bfloat16" in speeds else ""
+        print(f"| {name} | {nbytes} | {ratio:.2f}x | {ppl:.3f} | {100 * (ppl / base_ppl - 1):+.2f}% | {kl:.4f} | "
+              f"{key:.2f} | {rel} | {fits} |")
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, nbytes, _, ppl, kl, *_ in rows:
+        bits = 8 * nbytes / (2 * 30 * 3 * 64)
+        ax.scatter(bits, kl, color="tab:red" if "qjl" in name else "tab:blue")
+        ax.annotate(name, (bits, kl), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax.set(xscale="log", xlabel="stored bits per coordinate (all bytes / values)", yscale="symlog",
+           ylabel="mean KL vs float32 cache (nats)", title="SmolLM2-135M: KV-cache quality vs size")
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
