@@ -5,9 +5,13 @@ step's new K/V (keys after rotary, as they are stored); `gather_codes` hands att
 codes through block tables. `gather`/`gather_batch` dequantize and exist for the reference
 path (dequantize-then-attend) that tests compare the code-reading attention against.
 
-With 2.5/3.5 bits the outlier channels of each KV head are chosen from the first K/V ever
-written to the layer and then fixed, so that every stored block (and the prefix cache)
-stays valid; the engine writes a fixed calibration prompt first.
+Keys are stored centred: the per-channel mean mu of each KV head (measured once) is
+subtracted before quantizing. Attention is unchanged by it, since <q, k_t> = <q, k_t - mu> +
+<q, mu> and the last term is the same for every key of a query, which softmax ignores;
+the quantizer then spends its bits on what varies between keys. The reference path adds mu
+back. The mean, and with 2.5/3.5 bits the outlier channels of each KV head, are taken from
+the first K/V ever written to the layer and then fixed, so that every stored block (and
+the prefix cache) stays valid; the engine writes a fixed calibration prompt first.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ class TurboQuantLayerCache:
                              dtype=torch.uint8, device=device)
         self.v = torch.zeros(num_blocks, block_size, num_kv_heads, self.value_quantizer.nbytes,
                              dtype=torch.uint8, device=device)
-        self.calibrated = bits == int(bits)
+        self.key_mean = torch.zeros(num_kv_heads, head_dim, device=device)
+        self.calibrated = False
 
     @staticmethod
     def bytes_per_token(num_kv_heads: int, head_dim: int, bits: float, key_mode: str) -> int:
@@ -36,10 +41,11 @@ class TurboQuantLayerCache:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if not self.calibrated:
-            self.key_quantizer.calibrate(k)
+            self.key_mean = k.float().mean(0)
+            self.key_quantizer.calibrate(k - self.key_mean)
             self.value_quantizer.calibrate(v)
             self.calibrated = True
-        self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self.key_quantizer.quantize(k)
+        self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self.key_quantizer.quantize(k - self.key_mean)
         self.v.view(-1, *self.v.shape[2:])[slot_mapping] = self.value_quantizer.quantize(v)
 
     def gather_codes(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,9 +56,10 @@ class TurboQuantLayerCache:
 
     def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype):
         k, v = self.gather_codes(block_table)
-        return (self.key_quantizer.dequantize(k[:length]).to(dtype),
+        return ((self.key_quantizer.dequantize(k[:length]) + self.key_mean).to(dtype),
                 self.value_quantizer.dequantize(v[:length]).to(dtype))
 
     def gather_batch(self, block_tables: torch.Tensor, dtype: torch.dtype):
         k, v = self.gather_codes(block_tables)
-        return self.key_quantizer.dequantize(k).to(dtype), self.value_quantizer.dequantize(v).to(dtype)
+        return ((self.key_quantizer.dequantize(k) + self.key_mean).to(dtype),
+                self.value_quantizer.dequantize(v).to(dtype))
