@@ -77,7 +77,8 @@ class LLMEngine:
             prompt = self.tokenizer(CALIBRATION_TEXT).input_ids
         else:
             prompt = list(range(1, min(self.model_config.vocab_size, 257)))
-        self.add_request("calibration", prompt, SamplingParams(temperature=0, max_tokens=1))
+        fits = min(self.max_model_len, self.kv_cache.num_blocks * self.config.block_size) - 1
+        self.add_request("calibration", prompt[:fits], SamplingParams(temperature=0, max_tokens=1))
         while self.has_unfinished_requests():
             self.step()
         self.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_hits = 0
