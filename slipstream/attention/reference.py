@@ -30,29 +30,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
 
 def _decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
             window: int | None) -> torch.Tensor:
-    keys, values = cache.gather_batch(meta.decode_block_tables, q.dtype)  # [B, L, Hk, D]
+    keys, values = cache.gather_batch(meta.decode_block_tables, q.dtype)  # [Hk, B, L, D]
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[2]
-    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [B, Hk, G, L]
-    visible = decode_mask(keys.shape[1], meta.decode_context_lens, window)
-    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    num_kv_heads = keys.shape[0]
+    # heads lead the batch dims so that every matmul operand is contiguous
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [Hk, B, G, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [Hk, B, G, L]
+    visible = decode_mask(keys.shape[2], meta.decode_context_lens, window)
+    scores.masked_fill_(~visible[None, :, None, :], float("-inf"))
     probs = scores.softmax(-1).to(values.dtype)
-    out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hk, G, D]
-    return out.reshape(batch, num_heads, head_dim)
-
+    out = torch.matmul(probs, values)  # [Hk, B, G, D]
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
              chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
     if chunk.context_len > chunk.length:
         k, v = cache.gather(chunk.block_table, chunk.context_len, q.dtype)
-    return prefill_fresh(q, k, v, chunk, scale, window)
+    else:
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    return prefill_attention(q, k, v, chunk, scale, window)
 
 
-def prefill_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, scale: float,
-                  window: int | None) -> torch.Tensor:
-    """Causal attention of a chunk's queries over k/v holding its whole context."""
-    q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, scale: float,
+                      window: int | None) -> torch.Tensor:
+    """Causal attention of a chunk's queries [n, Hq, D] over its whole context k/v [Hk, L, D]."""
+    q_, k_, v_ = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     mask = None
     if window is not None or chunk.context_len > chunk.length:
         mask = causal_mask(chunk.length, chunk.context_len, window, q.device)

@@ -29,7 +29,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tu
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         if chunk.context_len == chunk.length:
-            out[rows] = reference.prefill_fresh(q[rows], k[rows], v[rows], chunk, scale, sliding_window)
+            fresh_k, fresh_v = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            out[rows] = reference.prefill_attention(q[rows], fresh_k, fresh_v, chunk, scale, sliding_window)
         else:
             out[rows] = _prefill(q[rows], cache, chunk, scale, sliding_window)
     return out

