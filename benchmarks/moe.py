@@ -24,6 +24,7 @@ that other processes' load does not count. A heat map of tokens per expert and l
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -122,6 +123,7 @@ def save_heatmap(expert_load: dict[int, list[int]], path: str) -> None:
     ax.set_title("tokens routed to each expert")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
 
 
@@ -137,7 +139,7 @@ def main() -> None:
     parser.add_argument("--naive-prefill-len", type=int, default=64, help="the naive loop is slow: shorter prompts")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: process CPU time (only meaningful with --threads 1)")
-    parser.add_argument("--heatmap", default="benchmarks/moe_expert_load.png")
+    parser.add_argument("--heatmap", default="benchmarks/out/moe_expert_load.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     global clock
