@@ -25,6 +25,29 @@ def read_hf_config(path: str) -> ModelConfig:
     return config
 
 
+def common_fields(arch: str, cfg: dict) -> dict:
+    """The ModelConfig fields every llama-like family reads the same way."""
+    heads = cfg["num_attention_heads"]
+    rope_theta, rope_scaling = rope_parameters(cfg)
+    return dict(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        hidden_act=cfg.get("hidden_act", "silu"),
+        bos_token_id=cfg.get("bos_token_id"),
+    )
+
+
 def rope_parameters(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict) from either transformers v4 or v5 config layouts."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}

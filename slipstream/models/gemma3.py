@@ -28,7 +28,7 @@ from slipstream.attention.metadata import get_metadata
 from slipstream.attention import attend
 from slipstream.config import ModelConfig
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import UnsupportedModelError
+from slipstream.loader.hf_config import UnsupportedModelError, common_fields
 from slipstream.models.llama import load_stacked_weights
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
@@ -168,28 +168,20 @@ class Gemma3ForCausalLM(nn.Module):
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise UnsupportedModelError(f"Gemma 3 hidden_activation {act!r} is not supported; "
                                         "supported: 'gelu_pytorch_tanh'")
-        heads = cfg["num_attention_heads"]
         rope_theta, rope_scaling, rope_local_theta = _rope_bases(cfg)
-        return Gemma3Config(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        fields = common_fields(arch, cfg) | dict(
             max_position_embeddings=cfg.get("max_position_embeddings", 131072),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            hidden_act="gelu_pytorch_tanh",
+        )
+        return Gemma3Config(
+            **fields,
             attention_bias=cfg.get("attention_bias", False),
             attention_out_bias=cfg.get("attention_bias", False),
             qk_norm=True,
             sliding_window=cfg.get("sliding_window", 4096),
-            hidden_act="gelu_pytorch_tanh",
-            bos_token_id=cfg.get("bos_token_id"),
             layer_types=_layer_types(cfg),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
             rope_local_theta=rope_local_theta,

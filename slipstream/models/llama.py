@@ -18,7 +18,7 @@ from slipstream.attention import attend
 from slipstream.config import ModelConfig
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import UnsupportedModelError, rope_parameters
+from slipstream.loader.hf_config import UnsupportedModelError, common_fields
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
@@ -101,30 +101,15 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     @staticmethod
     def config_from_hf(arch: str, cfg: dict) -> ModelConfig:
-        heads = cfg["num_attention_heads"]
         bias = cfg.get("attention_bias", False)
-        rope_theta, rope_scaling = rope_parameters(cfg)
         if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
             raise UnsupportedModelError("Qwen configs with use_sliding_window=true are not supported")
         return ModelConfig(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            **common_fields(arch, cfg),
             attention_bias=True if arch == "Qwen2ForCausalLM" else bias,
             attention_out_bias=bias if arch in ("LlamaForCausalLM", "MistralForCausalLM") else False,
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=cfg.get("sliding_window") if arch == "MistralForCausalLM" else None,
-            bos_token_id=cfg.get("bos_token_id"),
         )
 
     def __init__(self, config: ModelConfig):

@@ -21,7 +21,7 @@ from slipstream.config import ModelConfig
 from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats, stack_expert_weights
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import rope_parameters
+from slipstream.loader.hf_config import common_fields
 from slipstream.models.llama import _STACKED, LlamaAttention, load_stacked_weights
 
 
@@ -110,29 +110,6 @@ class MixtralForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = stack_expert_weights(rename_weights(weights, self.RENAMES), self.config.num_experts)
         load_stacked_weights(self, weights, _STACKED)
-
-
-def common_fields(arch: str, cfg: dict) -> dict:
-    """The ModelConfig fields every llama-like family reads the same way."""
-    heads = cfg["num_attention_heads"]
-    rope_theta, rope_scaling = rope_parameters(cfg)
-    return dict(
-        architecture=arch,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        hidden_act=cfg.get("hidden_act", "silu"),
-        bos_token_id=cfg.get("bos_token_id"),
-    )
 
 
 def rename_weights(weights: Iterable[tuple[str, torch.Tensor]], renames: dict[str, str]):

@@ -16,7 +16,8 @@ from slipstream.attention import attend
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.models.llama import LlamaAttention
-from slipstream.models.mixtral import MixtralForCausalLM, MoeConfig, common_fields
+from slipstream.loader.hf_config import common_fields
+from slipstream.models.mixtral import MixtralForCausalLM, MoeConfig
 
 
 @dataclass

@@ -15,7 +15,8 @@ from torch import nn
 
 from slipstream.layers.moe import GatedMLP, SparseMoeBlock
 from slipstream.loader.hf_config import UnsupportedModelError
-from slipstream.models.mixtral import MixtralForCausalLM, MoeConfig, common_fields
+from slipstream.loader.hf_config import common_fields
+from slipstream.models.mixtral import MixtralForCausalLM, MoeConfig
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Float32 greedy output does not depend on batch, prefill chunk size, prefix hits or preemption."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from slipstream import LLM, SamplingParams
@@ -42,7 +44,21 @@ def test_preemption_equals_alone(tiny_llama, prompts, alone):
     assert _tokens(llm.generate(prompts, PARAMS, use_tqdm=False)) == alone
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] > 0  # the prompts share nothing: only resumed sequences hit
     assert stats["num_used_blocks"] == 0
+
+
+def test_periodic_stats_line(tiny_llama, prompts, caplog):
+    llm = LLM(tiny_llama, dtype="float32", log_stats_interval=0.0)
+    logger = logging.getLogger("slipstream")
+    with caplog.at_level("INFO", logger="slipstream"):
+        logger.propagate = True  # let pytest's handler see the records
+        try:
+            llm.generate(prompts[:2], PARAMS, use_tqdm=False)
+        finally:
+            logger.propagate = False
+    lines = [r.getMessage() for r in caplog.records if "KV usage" in r.getMessage()]
+    assert lines and "prefix hit rate" in lines[0] and "fragmentation" in lines[0]
 
 
 def test_prefix_cache_hits_equal_alone(tiny_llama, prompts, alone):
