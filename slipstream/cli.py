@@ -1,7 +1,9 @@
-"""Command line: `slipstream generate | chat` (flags follow vLLM's names)."""
+"""Command line: `slipstream generate | chat | serve | bench {serve,throughput,latency}` (vLLM's flag names)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import signal
 import sys
 import time
 
@@ -105,6 +107,65 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from slipstream.server.app import build_app
+
+    config = dataclasses.replace(engine_config(args), log_stats_interval=10.0)
+    app = build_app(LLMEngine(config), args.served_model_name or args.model, api_key=args.api_key)
+    # uvicorn handles SIGINT/SIGTERM (graceful shutdown, engine thread stopped by the app's
+    # lifespan), then re-raises the signal to the handlers it found: make those a clean exit.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> None:
+    from slipstream.bench import serve
+
+    serve.main(args)
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> None:
+    from slipstream.bench import throughput
+
+    throughput.main(args, engine_config(args))
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> None:
+    from slipstream.bench import latency
+
+    latency.main(args, engine_config(args))
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.set_defaults(func=cmd_serve)
+
+
+def add_bench_parser(sub) -> None:
+    from slipstream.bench import latency, serve, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench_serve = bench.add_parser("serve", help="load an OpenAI-compatible server; TTFT/TPOT/ITL/E2E, throughput")
+    serve.add_args(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
+    for name, module, func, help_ in (("throughput", throughput, cmd_bench_throughput, "offline throughput"),
+                                      ("latency", latency, cmd_bench_latency, "offline TTFT and TPOT")):
+        p = bench.add_parser(name, help=help_)
+        add_engine_args(p)
+        module.add_args(p)
+        p.set_defaults(func=func)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description="A small LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_sampling_args(p)
     gen.set_defaults(func=cmd_generate)
     chat.set_defaults(func=cmd_chat)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

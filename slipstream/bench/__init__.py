@@ -1,0 +1,1 @@
+"""Benchmarks: `slipstream bench serve | throughput | latency` (workloads shared in workload.py)."""

@@ -1,0 +1,209 @@
+"""OpenAI's request and response shapes (plus vLLM's common extras) as pydantic models.
+
+Requests are checked here for types only; values (ranges, lengths, limits) are checked by
+SamplingParams and the engine, whose ValueErrors the server turns into 400s. Every field
+may be null, meaning "the default". Unknown fields are ignored, as vLLM does. Strings must
+be valid Unicode (no lone surrogates: they cannot be tokenized or sent back as UTF-8).
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+
+
+def _valid_unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid Unicode (lone surrogate) at position {e.start}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+
+
+class SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Text | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = Field(None, le=128)  # OpenAI's limit; one request must not flood the queue
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: Text | None = None  # accepted, ignored
+    cache_salt: Text | None = None
+    logit_bias: dict[str, Any] | None = None  # not supported: rejected if non-empty
+
+
+TokenIds = list[int]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: Text | None = None  # not supported: rejected if set
+
+
+class ContentPart(_Request):
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(_Request):
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = True
+
+
+class TokenizeRequest(_Request):
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(_Request):
+    model: Text | None = None
+    tokens: TokenIds
+
+
+# --- responses -------------------------------------------------------------------------
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = []
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    """Only the fields that changed, as in OpenAI's chunks."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "slipstream"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
