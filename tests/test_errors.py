@@ -66,10 +66,12 @@ def small(tiny_llama):
     (list(range(3, 40)), SamplingParams(max_tokens=40), "exceeds max_model_len \\(64\\)"),
     (list(range(3, 30)), SamplingParams(max_tokens=30), "can never fit in the KV cache \\(3 blocks = 48 tokens\\)"),
     ([], None, "prompt is empty"),
-    ([5, 100000], None, "out of range; allowed: 0..383"),
+    ([5, 100000], None, "prompt token id\\(s\\) \\[100000\\] out of range; allowed: 0..383"),
+    ([5, 6], SamplingParams(stop_token_ids=[400], min_tokens=1), "stop_token_ids\\(s\\) \\[400\\] out of range"),
     ("text", None, "no tokenizer files"),
     ({"a": 1}, None, "prompt must be a string or a list of token ids"),
-], ids=["longer-than-model", "plus-max-tokens", "cache-too-small", "empty", "bad-token", "no-tokenizer", "bad-type"])
+], ids=["longer-than-model", "plus-max-tokens", "cache-too-small", "empty", "bad-token", "bad-stop-token",
+        "no-tokenizer", "bad-type"])
 def test_requests_that_can_never_run_are_rejected(small, prompt, params, message):
     good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     with pytest.raises(ValueError, match=message):
@@ -78,6 +80,11 @@ def test_requests_that_can_never_run_are_rejected(small, prompt, params, message
     assert small.stats()["num_used_blocks"] == 0
     out = small.generate([[5, 6, 7]], good, use_tqdm=False)  # the engine still works
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_unbounded_max_tokens_fit_the_cache_and_huge_seeds_work(small):
+    out = small.generate([[5, 6, 7]], SamplingParams(max_tokens=None, ignore_eos=True, seed=10**30), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 48 - 3  # the cache (48 tokens) is smaller than max_model_len (64)
 
 
 def test_mismatched_params_list(small):

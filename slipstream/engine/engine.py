@@ -91,6 +91,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
         prompt_text, token_ids = self._tokenize(prompt)
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
         params = self._resolve_max_tokens(params, len(token_ids))
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         seqs = [Sequence(request_id, token_ids, params, metrics, i, cache_salt) for i in range(params.n)]
@@ -110,21 +111,24 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty; it must contain at least one token")
+        self._check_token_ids(token_ids, "prompt token id")
+        return text, token_ids
+
+    def _check_token_ids(self, token_ids: list[int], what: str) -> None:
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id(s) {bad[:5]} out of range; allowed: 0..{vocab - 1}")
-        return text, token_ids
+            raise ValueError(f"{what}(s) {bad[:5]} out of range; allowed: 0..{vocab - 1}")
 
     def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         limit = self.max_model_len
         if prompt_len >= limit:
             raise ValueError(f"prompt has {prompt_len} tokens; max_model_len is {limit}, so at most {limit - 1} fit")
-        max_tokens = params.max_tokens or limit - prompt_len
+        capacity = self.kv_cache.num_blocks * self.config.block_size
+        max_tokens = params.max_tokens or min(limit, capacity) - prompt_len  # None: as much as can ever fit
         if prompt_len + max_tokens > limit:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
                              f"exceeds max_model_len ({limit})")
-        capacity = self.kv_cache.num_blocks * self.config.block_size
         if prompt_len + max_tokens > capacity:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) can never fit in the KV cache "
                              f"({self.kv_cache.num_blocks} blocks = {capacity} tokens); raise kv_cache_memory")

@@ -89,6 +89,6 @@ def _make_generator(seed: int | None, index: int) -> torch.Generator:
     generator = torch.Generator()
     if seed is None:
         generator.seed()
-    else:
-        generator.manual_seed(seed * 1_000_003 + index)
+    else:  # any Python int; the n samples of one request get distinct streams
+        generator.manual_seed(hash((seed, index)) & (2**63 - 1))
     return generator
