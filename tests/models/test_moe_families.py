@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from slipstream import LLM, SamplingParams
 from slipstream.loader.hf_config import read_hf_config
