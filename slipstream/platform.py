@@ -22,13 +22,25 @@ def resolve_device(name: str) -> torch.device:
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run faster than fp32 instead of slower."""
+    """AVX512-BF16 or AMX: native bf16 arithmetic; decode then reads half the bytes of fp32.
+
+    Large bf16 GEMMs are still slower than fp32 without AMX; layers/linear.py handles that.
+    """
+    flags = _cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@functools.cache
+def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return f.read()
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return ""
+
+
+def cpu_has_amx() -> bool:
+    return "amx_bf16" in _cpu_flags()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

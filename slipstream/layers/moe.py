@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.layers.linear import Linear, linear
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -47,8 +49,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,8 +111,8 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, ys)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_proj[e])
+        gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return linear(self.act(gate) * up, self.down_proj[e])
 
 
 class SparseMoeBlock(nn.Module):
@@ -126,7 +128,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = None
         if shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, act)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
         self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,11 +27,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from slipstream.attention.metadata import get_metadata
 from slipstream.attention import attend
+from slipstream.attention.metadata import get_metadata
 from slipstream.config import ModelConfig
-from slipstream.layers.moe import (GatedMLP, SparseMoeBlock, activation, reset_routing_stats, rms_norm,
-                                   routing_stats)
+from slipstream.layers.linear import Linear
+from slipstream.layers.moe import GatedMLP, SparseMoeBlock, activation, reset_routing_stats, rms_norm, routing_stats
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.loader.hf_config import UnsupportedModelError
@@ -96,9 +96,9 @@ class Gemma4Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         num_kv_projections = 0 if self.shares_kv else 1 if self.k_eq_v else 2
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + num_kv_projections * self.kv_size,
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + num_kv_projections * self.kv_size,
                                   bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         if not self.shares_kv:
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
@@ -146,8 +146,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.per_layer_input = config.hidden_size_per_layer_input > 0
         if self.per_layer_input:
             self.act = activation(config.hidden_act)
-            self.per_layer_input_gate = nn.Linear(h, config.hidden_size_per_layer_input, bias=False)
-            self.per_layer_projection = nn.Linear(config.hidden_size_per_layer_input, h, bias=False)
+            self.per_layer_input_gate = Linear(h, config.hidden_size_per_layer_input, bias=False)
+            self.per_layer_projection = Linear(config.hidden_size_per_layer_input, h, bias=False)
             self.post_per_layer_input_norm = GemmaRMSNorm(h, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))
 
@@ -183,7 +183,7 @@ class Gemma4Model(nn.Module):
         if ple:
             total = config.num_hidden_layers * ple
             self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, total)
-            self.per_layer_model_projection = nn.Linear(config.hidden_size, total, bias=False)
+            self.per_layer_model_projection = Linear(config.hidden_size, total, bias=False)
             self.per_layer_projection_norm = GemmaRMSNorm(ple, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -252,7 +252,7 @@ class Gemma4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Gemma4Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

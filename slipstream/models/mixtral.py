@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from slipstream.config import ModelConfig
+from slipstream.layers.linear import Linear
 from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats, stack_expert_weights
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
@@ -80,7 +81,7 @@ class MixtralForCausalLM(nn.Module):
         layers = [MoeDecoderLayer(config, self.attention(config, rotary, i), self.mlp(config, i))
                   for i in range(config.num_hidden_layers)]
         self.model = MoeModel(config, layers)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
