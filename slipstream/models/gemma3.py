@@ -30,6 +30,7 @@ from slipstream.config import ModelConfig
 from slipstream.layers.linear import Linear
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.loader.hf_config import UnsupportedModelError, common_fields
+from slipstream.models.causal_lm import CausalLM
 from slipstream.models.llama import load_stacked_weights
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
@@ -160,7 +161,7 @@ class Gemma3Model(nn.Module):
         return self.norm(x)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     @staticmethod
     def config_from_hf(arch: str, cfg: dict) -> Gemma3Config:
         if cfg.get("use_bidirectional_attention"):
@@ -190,15 +191,7 @@ class Gemma3ForCausalLM(nn.Module):
         )
 
     def __init__(self, config: Gemma3Config):
-        super().__init__()
-        self.config = config
-        self.model = Gemma3Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+        super().__init__(config, Gemma3Model(config))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -206,9 +199,6 @@ class Gemma3ForCausalLM(nn.Module):
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         return logits.float()
-
-    def attention_layers(self) -> list[Gemma3Attention]:
-        return [layer.self_attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_stacked_weights(self, weights, _STACKED)

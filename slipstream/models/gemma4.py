@@ -35,6 +35,7 @@ from slipstream.layers.moe import GatedMLP, SparseMoeBlock, activation, reset_ro
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.loader.hf_config import UnsupportedModelError
+from slipstream.models.causal_lm import CausalLM
 from slipstream.models.llama import _STACKED, load_stacked_weights
 from slipstream.models.mixtral import rename_weights
 
@@ -204,7 +205,7 @@ class Gemma4Model(nn.Module):
         return (projected + token.view(shape)) * 2 ** -0.5
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(CausalLM):
     @staticmethod
     def config_from_hf(arch: str, cfg: dict) -> Gemma4Config:
         cfg = cfg.get("text_config") or cfg  # Gemma4ForConditionalGeneration nests the text model
@@ -249,15 +250,7 @@ class Gemma4ForCausalLM(nn.Module):
         )
 
     def __init__(self, config: Gemma4Config):
-        super().__init__()
-        self.config = config
-        self.model = Gemma4Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+        super().__init__(config, Gemma4Model(config))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -20,6 +20,7 @@ from slipstream.layers.linear import Linear
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.loader.hf_config import UnsupportedModelError, common_fields
+from slipstream.models.causal_lm import CausalLM
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
@@ -99,7 +100,7 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     @staticmethod
     def config_from_hf(arch: str, cfg: dict) -> ModelConfig:
         bias = cfg.get("attention_bias", False)
@@ -114,21 +115,7 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def attention_layers(self) -> list[LlamaAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        super().__init__(config, LlamaModel(config))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_stacked_weights(self, weights, _STACKED)

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from slipstream.config import ModelConfig
-from slipstream.layers.linear import Linear
 from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats, stack_expert_weights
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.loader.hf_config import common_fields
+from slipstream.models.causal_lm import CausalLM
 from slipstream.models.llama import _STACKED, LlamaAttention, load_stacked_weights
 
 
@@ -63,7 +63,7 @@ class MoeModel(nn.Module):
         return self.norm(x)
 
 
-class MixtralForCausalLM(nn.Module):
+class MixtralForCausalLM(CausalLM):
     # checkpoint name fragment -> our module path, applied before loading
     RENAMES = {".block_sparse_moe.": ".mlp."}
 
@@ -75,15 +75,10 @@ class MixtralForCausalLM(nn.Module):
                          moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
 
     def __init__(self, config: MoeConfig):
-        super().__init__()
-        self.config = config
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         layers = [MoeDecoderLayer(config, self.attention(config, rotary, i), self.mlp(config, i))
                   for i in range(config.num_hidden_layers)]
-        self.model = MoeModel(config, layers)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, MoeModel(config, layers))
 
     def attention(self, config: MoeConfig, rotary: RotaryEmbedding, layer: int) -> nn.Module:
         return LlamaAttention(config, rotary)
@@ -91,15 +86,6 @@ class MixtralForCausalLM(nn.Module):
     def mlp(self, config: MoeConfig, layer: int) -> nn.Module:
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                               config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def attention_layers(self) -> list[nn.Module]:
-        return [layer.self_attn for layer in self.model.layers]
 
     def routing_stats(self) -> dict[int, list[int]]:
         """Tokens each expert has received so far, per MoE layer (the engine's `expert_load`)."""

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slipstream.attention.metadata import get_metadata
 from slipstream.attention import attend
+from slipstream.attention.metadata import get_metadata
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.models.llama import LlamaAttention
 from slipstream.loader.hf_config import common_fields
+from slipstream.models.llama import LlamaAttention
 from slipstream.models.mixtral import MixtralForCausalLM, MoeConfig
 
 

@@ -1,0 +1,33 @@
+"""CausalLM: what every decoder-only family shares on top of its body.
+
+A family builds `model` (embeddings, decoder layers whose attention is `self_attn`, final
+norm) and passes it here; this class adds the LM head (tied to the embeddings when the
+config says so) and the interface the model runner calls.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slipstream.config import ModelConfig
+from slipstream.layers.linear import Linear
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, model: nn.Module):
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The attention modules that own a KV cache, in layer order."""
+        return [layer.self_attn for layer in self.model.layers]
