@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slipstream.layers import moe
 from slipstream.layers.moe import SparseMoeBlock, TopKRouter, load_balance_summary, stack_expert_weights
 
 H, I = 16, 24
@@ -97,6 +98,33 @@ def test_counts_and_distinct_experts(tokens, num_experts, data):
     assert block.expert_counts.sum().item() == tokens * top_k
     assert block.expert_counts.tolist() == torch.bincount(ids.flatten(), minlength=num_experts).tolist()
     assert torch.allclose(out, direct_forward(block, x), atol=1e-5)
+
+
+def test_bf16_large_groups_run_in_float32(monkeypatch):
+    """bf16 without AMX: groups of >= UPCAST_MIN_TOKENS run in fp32 (weights widened in blocks of
+    rows, the last one partial), smaller ones in bf16; both match a float32 computation."""
+    monkeypatch.setattr(moe, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(moe, "UPCAST_MIN_TOKENS", 30)
+    monkeypatch.setattr(moe, "WIDEN_BLOCK", 5 * I)  # gate_up [48, 16]: blocks of 7 rows; down [16, 24]: 5
+    upcast = []
+    expert_fp32 = moe.Experts.expert_fp32
+    monkeypatch.setattr(moe.Experts, "expert_fp32", lambda self, e, *a: upcast.append(e) or expert_fp32(self, e, *a))
+    block = make_block(num_experts=4, top_k=2, renormalize=True).to(torch.bfloat16)
+    x = torch.randn(60, H, dtype=torch.bfloat16)
+    with torch.no_grad():
+        weights, ids = block.gate(x)
+        counts = torch.bincount(ids.flatten(), minlength=4)
+        out = block.experts(x, weights, ids, counts)
+    assert upcast == [e for e, n in enumerate(counts.tolist()) if n >= 30] and 0 < len(upcast) < 4
+    gate_up, down = block.experts.gate_up_proj.float(), block.experts.down_proj.float()
+    expected = torch.zeros(60, H)
+    for t, (token_ids, token_weights) in enumerate(zip(ids.tolist(), weights)):
+        for e, w in zip(token_ids, token_weights):
+            gate, up = (gate_up[e] @ x[t].float()).chunk(2)
+            expected[t] += w * (down[e] @ (F.silu(gate) * up))
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected, rtol=0.02, atol=0.02 * expected.abs().max().item()), \
+        (out.float() - expected).abs().max()
 
 
 def test_counts_accumulate_until_reset():
