@@ -5,7 +5,9 @@ and mean KL divergence of next-token distributions against the float32 cache on 
 English text (docstrings of the Python standard library, read at run time), fed in
 chunks of 64 tokens so that attention READS the compressed cache; passkey retrieval at a
 2k-token context (also chunked); decode tok/s at a 2k context against the bf16 cache;
-and how many 2k-token sequences fit one fixed kv_cache_memory. Plots quality vs bits.
+and how many 2k-token sequences fit one fixed kv_cache_memory (with kv_cache_recent_tokens
+or kv_cache_sink_tokens, counting the 16-bit staging of that many sequences). Plots quality
+vs bits.
 
     python benchmarks/kv_quality.py [--tokens 1024] [--out benchmarks/out]
 """
@@ -20,9 +22,15 @@ import time
 import torch
 
 from slipstream import LLM, SamplingParams
+from slipstream.kvcache.cache import KVCache
+from slipstream.kvcache.dtype import parse_kv_cache_dtype
 
 DTYPES = ["float32", "bfloat16", "fp8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2", "tq4-qjl", "tq3-qjl"]
-KNOBS = [("tq3", 2), ("tq2.5", 2)]  # (dtype, first/last layers kept in 16 bits)
+# (dtype, first/last layers, newest tokens, first tokens of each sequence: all kept in 16 bits)
+KNOBS = [("tq3", 2, 0, 0), ("tq4", 0, 0, 4), ("tq3", 0, 0, 4), ("tq3", 0, 64, 0),
+         ("tq4", 0, 64, 4), ("tq3", 0, 64, 4), ("tq2.5", 0, 64, 4)]
+SPEED = {"bfloat16", "fp8", "tq4", "tq3", "tq2.5", "tq3 recent 64 sinks 4"}
+SHAPES = [(3, 64)] * 30  # SmolLM2-135M: 30 layers, 3 KV heads of dim 64
 CHUNK = 64
 MEMORY = 256 * 2**20
 
@@ -44,9 +52,10 @@ def next_token_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
     return torch.cat(rows)[: len(ids) - 1].log_softmax(-1)
 
 
-def quality(kv_dtype: str, dense_layers: int, ids: list[int], reference: torch.Tensor | None):
+def quality(kv_dtype: str, dense_layers: int, recent: int, sinks: int, ids: list[int],
+            reference: torch.Tensor | None):
     llm = LLM("smollm2-135m", dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_dense_layers=dense_layers,
-              max_num_batched_tokens=CHUNK, enable_prefix_caching=False)
+              kv_cache_recent_tokens=recent, kv_cache_sink_tokens=sinks, max_num_seqs=4, max_num_batched_tokens=CHUNK, enable_prefix_caching=False)
     logprobs = next_token_logprobs(llm, ids)
     targets = torch.tensor(ids[1:]).unsqueeze(1)
     ppl = math.exp(-logprobs.gather(1, targets).mean().item())
@@ -70,8 +79,20 @@ def passkey(llm: LLM, context: int, trials: int = 4) -> float:
     return hits / trials
 
 
-def decode_speed(kv_dtype: str, context: int, new_tokens: int = 48) -> float:
-    llm = LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype=kv_dtype, max_num_batched_tokens=512)
+def sequences_that_fit(kv_dtype: str, dense_layers: int, recent: int, sinks: int, context: int) -> int:
+    """Most sequences of `context` tokens in MEMORY, counting 16-bit staging for that many sequences."""
+    spec = parse_kv_cache_dtype(kv_dtype, torch.bfloat16)
+    fits = lambda n: KVCache(SHAPES, spec, torch.bfloat16, MEMORY, 16, torch.device("meta"), dense_layers,
+                             recent, n, sinks).num_blocks * 16 // context >= n
+    n = 1
+    while fits(n + 1):
+        n += 1
+    return n
+
+
+def decode_speed(kv_dtype: str, recent: int, sinks: int, context: int, new_tokens: int = 48) -> float:
+    llm = LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_recent_tokens=recent,
+              kv_cache_sink_tokens=sinks, max_num_seqs=4, max_num_batched_tokens=512)
     prompt = torch.randint(100, 49152, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
     return 1.0 / out[0].metrics.tpot
@@ -85,18 +106,18 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     args = parser.parse_args()
     rows, reference = [], None
-    for kv_dtype, dense in [(d, 0) for d in DTYPES] + KNOBS:
+    for kv_dtype, dense, recent, sinks in [(d, 0, 0, 0) for d in DTYPES] + KNOBS:
         start = time.monotonic()
-        llm, logprobs, ppl, kl = quality(kv_dtype, dense, None or _ids(args.tokens), reference)
+        llm, logprobs, ppl, kl = quality(kv_dtype, dense, recent, sinks, _ids(args.tokens), reference)
         reference = logprobs if reference is None else reference
         stats = llm.stats()
         bf16_bytes = 2 * 30 * 3 * 64 * 2
-        fits = LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_dense_layers=dense,
-                   kv_cache_memory=MEMORY).stats()["num_blocks"] * 16 // args.context
+        fits = sequences_that_fit(kv_dtype, dense, recent, sinks, args.context)
         key = passkey(llm, args.context)
-        speed = (decode_speed(kv_dtype, args.context) if not args.skip_speed and dense == 0 and
-                 kv_dtype in ("bfloat16", "fp8", "tq4", "tq3", "tq2.5") else None)
-        name = kv_dtype + (f" +{dense} dense" if dense else "")
+        name = (kv_dtype + (f" +{dense} dense" if dense else "") + (f" recent {recent}" if recent else "")
+                + (f" sinks {sinks}" if sinks else ""))
+        speed = (decode_speed(kv_dtype, recent, sinks, args.context) if not args.skip_speed and name in SPEED
+                 else None)
         rows.append((name, stats["kv_bytes_per_token"], bf16_bytes / stats["kv_bytes_per_token"], ppl, kl, key, speed, fits))
         print(f"{name:18s} {rows[-1][1]:6d} B/token {rows[-1][2]:5.2f}x  ppl {ppl:7.3f}  KL {kl:.4f}  "
               f"passkey {key:.2f}  fits {fits:3d}  " + (f"decode {speed:.1f} tok/s" if speed else "") +

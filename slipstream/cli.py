@@ -20,6 +20,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="auto, bfloat16, float32, fp8, tq4, tq3.5, tq3, tq2.5, tq2 (TurboQuant; -qjl suffix: QJL keys)")
     parser.add_argument("--kv-cache-dense-layers", type=int, default=d.kv_cache_dense_layers,
                         help="TurboQuant: keep the first and last N layers in 16 bits")
+    parser.add_argument("--kv-cache-recent-tokens", type=int, default=d.kv_cache_recent_tokens,
+                        help="TurboQuant: also keep the newest R tokens of each sequence in 16 bits")
+    parser.add_argument("--kv-cache-sink-tokens", type=int, default=d.kv_cache_sink_tokens,
+                        help="TurboQuant: also keep the first S tokens (attention sinks) of each sequence in 16 bits")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
@@ -32,7 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(
         model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_dense_layers=args.kv_cache_dense_layers, block_size=args.block_size,
+        kv_cache_dense_layers=args.kv_cache_dense_layers, kv_cache_recent_tokens=args.kv_cache_recent_tokens,
+        kv_cache_sink_tokens=args.kv_cache_sink_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, device=args.device)

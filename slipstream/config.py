@@ -47,6 +47,8 @@ class EngineConfig:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     kv_cache_dense_layers: int = 0  # TurboQuant: first and last N layers keep a 16-bit cache
+    kv_cache_recent_tokens: int = 0  # TurboQuant: newest R tokens of each sequence also kept in 16 bits
+    kv_cache_sink_tokens: int = 0  # TurboQuant: first S tokens (attention sinks) of each sequence too
     block_size: int = 16
     kv_cache_memory: int = 512 * 1024**2
     enable_prefix_caching: bool = True
@@ -74,5 +76,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in ("kv_cache_dense_layers", "kv_cache_recent_tokens", "kv_cache_sink_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer or None")

@@ -1,56 +1,173 @@
 """Attention that reads TurboQuant codes directly, for mixed prefill/decode batches.
 
-Queries are rotated once per step inside `TurboQuantizer.scores`; key scores come from the
-codes (centroid gather in the rotated space, plus the QJL term for `-qjl` keys); values are
-accumulated in the rotated space and rotated back once per query row by `weighted_sum`.
-The cache is never dequantized to the original space. A prefill chunk with no cached prefix
-attends to its own fresh K/V (as every engine does); every other query reads the codes.
+Queries are scaled by the cache's fixed per-channel key scale and rotated once per step
+(inside `TurboQuantizer.scores`); key scores come from the codes (centroid gather in the
+rotated space, plus the QJL term for `-qjl` keys); values are accumulated in the rotated
+space and rotated back once per query row by `weighted_sum`. The cache is never
+dequantized to the original space. A prefill chunk with no cached prefix attends to its own
+fresh K/V (as every engine does); every other query reads the codes.
+
+With R recent and S sink tokens (kvcache/recent_window.py), a query at position p reads every
+token t <= p with t > p - R or t < S in 16 bits instead: the step's own tokens from the fresh
+k/v, older ones from the cache's staging blocks where they have one (else from the codes). Each token is scored
+exactly once; code and 16-bit logits share one softmax (the codes hold k - mu, so <q, mu> is
+taken off the 16-bit logits).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
+from slipstream.kvcache.recent_window import RecentWindow
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    if not cache.calibrated:
+        return _calibration_attention(q, k, v, cache, scale, sliding_window)
     cache.write(k, v, meta.slot_mapping)
+    if cache.window is not None:
+        _stage(cache.window, k, v, meta)
     out = torch.empty_like(q)
     n = meta.num_decode_tokens
     if n:
-        keys, values = cache.gather_codes(meta.decode_block_tables)  # [B, L, Hk, nbytes]
-        qg = q[:n].view(n, keys.shape[2], -1, q.shape[-1])  # [B, Hk, G, D]
-        visible = reference.decode_mask(keys.shape[1], meta.decode_context_lens, sliding_window)
-        out[:n] = _attend(qg, keys.transpose(1, 2), values.transpose(1, 2), visible[:, None, None, :],
-                          cache, scale).reshape(n, *q.shape[1:])
+        out[:n] = _decode(q[:n], k[:n], v[:n], cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         if chunk.context_len == chunk.length:
             fresh_k, fresh_v = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             out[rows] = reference.prefill_attention(q[rows], fresh_k, fresh_v, chunk, scale, sliding_window)
         else:
-            out[rows] = _prefill(q[rows], cache, chunk, scale, sliding_window)
+            out[rows] = _prefill(q[rows], k[rows], v[rows], cache, chunk, scale, sliding_window)
     return out
 
 
-def _prefill(q: torch.Tensor, cache: TurboQuantLayerCache, chunk: PrefillChunk, scale: float,
-             window: int | None) -> torch.Tensor:
+def _calibration_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+                           scale: float, sliding_window: int | None) -> torch.Tensor:
+    """The calibration prompt (one sequence, prefill only) attends exactly to everything it has seen."""
+    keys, values = cache.observe(q, k, v)
+    chunk = PrefillChunk(0, len(q), keys.shape[1], block_table=None)
+    return reference.prefill_attention(q, keys.to(q.dtype), values.to(q.dtype), chunk, scale, sliding_window)
+
+
+def _stage(window: RecentWindow, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Mirror new tokens whose block stays in its sequence's window; keep every window's blocks."""
+    ends, tables, lengths = [], [], []
+    if meta.num_decode_tokens:
+        ends += meta.decode_context_lens.tolist()
+        tables += list(meta.decode_block_tables)
+        lengths += [1] * meta.num_decode_tokens
+    for chunk in meta.prefills:
+        ends.append(chunk.context_len)
+        tables.append(chunk.block_table)
+        lengths.append(chunk.length)
+    active, in_window = [], []
+    for end, table, length in zip(ends, tables, lengths):
+        first, sinks = window.first_block(end), window.sink_blocks
+        active += table[:min(sinks, first)].tolist() + table[first:math.ceil(end / window.block_size)].tolist()
+        in_window += [not sinks <= p // window.block_size < first for p in range(end - length, end)]
+    window.write(k, v, meta.slot_mapping, torch.tensor(in_window, device=k.device), active)
+
+
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+            meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    n, tables, lens = q.shape[0], meta.decode_block_tables, meta.decode_context_lens
+    keys, values = cache.gather_codes(tables)  # [B, L, Hk, nbytes]
+    qg = q.view(n, keys.shape[2], -1, q.shape[-1])  # [B, Hk, G, D]
+    visible = reference.decode_mask(keys.shape[1], lens, window)  # [B, L]
+    dense = None
+    if cache.window is not None:
+        recent = cache.window
+        qpos = (lens - 1)[:, None]  # [B, 1]
+        pos = torch.arange(keys.shape[1], device=q.device)
+        readable = recent.exists(tables)[:, :keys.shape[1]] | (pos == qpos)
+        visible = visible & ~(readable & _near(pos, qpos, recent, None))
+        staged_k, staged_v, staged_pos, exists = _staged_decode_window(recent, tables, lens)  # [B, Ls, ...]
+        staged_mask = exists & (staged_pos < qpos) & _near(staged_pos, qpos, recent, window)
+        dense_k = torch.cat([staged_k, k[:, None].to(staged_k.dtype)], 1).transpose(1, 2)  # [B, Hk, Ls+1, D]
+        dense_v = torch.cat([staged_v, v[:, None].to(staged_v.dtype)], 1).transpose(1, 2)
+        dense_mask = torch.cat([staged_mask, _near(qpos, qpos, recent, window)], 1)
+        dense = (dense_k, dense_v, dense_mask[:, None, None, :])
+    out = _attend(qg, keys.transpose(1, 2), values.transpose(1, 2), visible[:, None, None, :], cache, scale, dense)
+    return out.reshape(n, *q.shape[1:])
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+             chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
+    length = chunk.context_len
     keys, values = cache.gather_codes(chunk.block_table)
-    keys, values = keys[:chunk.context_len].transpose(0, 1), values[:chunk.context_len].transpose(0, 1)  # [Hk, L, nb]
+    keys, values = keys[:length].transpose(0, 1), values[:length].transpose(0, 1)  # [Hk, L, nb]
     n, num_heads, dim = q.shape
     num_kv = keys.shape[0]
-    qg = q.view(n, num_kv, num_heads // num_kv, dim).permute(1, 2, 0, 3).reshape(num_kv, -1, dim)  # [Hk, G*n, D]
-    mask = reference.causal_mask(n, chunk.context_len, window, q.device).repeat(num_heads // num_kv, 1)
-    out = _attend(qg, keys, values, mask, cache, scale)  # [Hk, G*n, D]
-    return out.view(num_kv, num_heads // num_kv, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim).to(q.dtype)
+    group = num_heads // num_kv
+    qg = q.view(n, num_kv, group, dim).permute(1, 2, 0, 3).reshape(num_kv, -1, dim)  # [Hk, G*n, D]
+    mask = reference.causal_mask(n, length, window, q.device)  # [n, L]
+    dense = None
+    if cache.window is not None:
+        recent, start = cache.window, length - n
+        pos = torch.arange(length, device=q.device)
+        qpos = pos[start:, None]  # [n, 1]
+        readable = recent.exists(chunk.block_table)[:length] | (pos >= start)
+        mask = mask & ~(readable & _near(pos, qpos, recent, None))
+        staged_k, staged_v, staged_pos, exists = _staged_prefill_window(recent, chunk)  # [Ls, ...]
+        staged_mask = exists & _near(staged_pos, qpos, recent, window)
+        dense_k = torch.cat([staged_k, k.to(staged_k.dtype)]).transpose(0, 1)  # [Hk, Ls+n, D]
+        dense_v = torch.cat([staged_v, v.to(staged_v.dtype)]).transpose(0, 1)
+        dense_mask = torch.cat([staged_mask, _near(pos[start:], qpos, recent, window)], 1)
+        dense = (dense_k, dense_v, dense_mask.repeat(group, 1))
+    out = _attend(qg, keys, values, mask.repeat(group, 1), cache, scale, dense)  # [Hk, G*n, D]
+    return out.view(num_kv, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim).to(q.dtype)
+
+
+def _staged_decode_window(window: RecentWindow, tables: torch.Tensor, lens: torch.Tensor):
+    """Staged K/V [B, W*bs, Hk, D], positions and existence [B, W*bs] of the blocks each window reaches."""
+    width = math.ceil(window.tokens / window.block_size) + 1 if window.tokens else 0
+    first = ((lens - window.tokens).clamp_min(0) // window.block_size)[:, None]
+    sinks = torch.arange(window.sink_blocks, device=lens.device)
+    sinks = torch.where(sinks < first, sinks, tables.shape[1])  # already in the recent part: moved past the table
+    index = torch.cat([sinks, first + torch.arange(width, device=lens.device)], 1)  # past the table: masked by position
+    blocks = tables.gather(1, index.clamp_max(tables.shape[1] - 1))
+    return (*window.gather(blocks), _positions(index, window.block_size), window.exists(blocks))
+
+
+def _staged_prefill_window(window: RecentWindow, chunk: PrefillChunk):
+    """Staged K/V [Ls, Hk, D], positions and existence [Ls] of the cached-prefix blocks the chunk reaches."""
+    prefix = chunk.context_len - chunk.length
+    first = max(0, prefix + 1 - window.tokens) // window.block_size
+    device = chunk.block_table.device
+    index = torch.cat([torch.arange(min(window.sink_blocks, first), device=device),
+                       torch.arange(first, math.ceil(prefix / window.block_size), device=device)])
+    blocks = chunk.block_table[index]
+    positions = _positions(index, window.block_size)
+    return (*window.gather(blocks), positions, window.exists(blocks) & (positions < prefix))
+
+
+def _positions(block_index: torch.Tensor, block_size: int) -> torch.Tensor:
+    offsets = torch.arange(block_size, device=block_index.device)
+    return (block_index[..., None] * block_size + offsets).flatten(-2)
+
+
+def _near(tpos: torch.Tensor, qpos: torch.Tensor, window: RecentWindow, sliding: int | None) -> torch.Tensor:
+    """t in (p - R, p] or one of the first sink tokens (t <= p), and inside the sliding window if any."""
+    near = ((tpos > qpos - window.tokens) | (tpos < window.sinks)) & (tpos <= qpos)
+    return near & (tpos > qpos - sliding) if sliding is not None else near
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-            cache: TurboQuantLayerCache, scale: float) -> torch.Tensor:
-    scores = cache.key_quantizer.scores(q, keys) * scale
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return cache.value_quantizer.weighted_sum(probs, values)
-
+            cache: TurboQuantLayerCache, scale: float, dense=None) -> torch.Tensor:
+    """q [..., Hk, M, D]; codes [..., Hk, L, nbytes]; dense (k, v [..., Hk, Ld, D], mask) or None."""
+    q = q.float()
+    scores = cache.key_quantizer.scores(q * cache.key_scale[:, None, :], keys) * scale  # <q*sigma, (k-mu)/sigma>
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if dense is None:
+        return cache.value_quantizer.weighted_sum(scores.softmax(-1), values)
+    dense_k, dense_v, dense_mask = dense
+    dense_scores = (q @ (dense_k.float() - cache.key_mean[:, None, :]).transpose(-1, -2)) * scale
+    probs = torch.cat([scores, dense_scores.masked_fill(~dense_mask, float("-inf"))], -1).softmax(-1)
+    length = scores.shape[-1]
+    return (cache.value_quantizer.weighted_sum(probs[..., :length], values)
+            + probs[..., length:] @ dense_v.float())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -20,6 +21,7 @@ from slipstream.engine.request import Request
 from slipstream.engine.scheduler import Scheduler
 from slipstream.engine.sequence import Sequence
 from slipstream.kvcache.cache import KVCache
+from slipstream.kvcache.calibration import MAX_TOKENS as CALIBRATION_TOKENS, calibration_text
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.layers.sampler import Sampler
 from slipstream.loader.model_loader import load_model
@@ -28,14 +30,6 @@ from slipstream.platform import resolve_device, resolve_dtype
 from slipstream.sampling_params import SamplingParams
 
 logger = logging.getLogger("slipstream")
-
-CALIBRATION_TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-    "combined movable metal type, oil-based ink and a wooden screw press. Within fifty years, "
-    "presses in more than two hundred European cities had printed millions of books, and the "
-    "price of a copy fell so far that scholars, merchants and students could own their own. "
-    "def mean(values):\n    return sum(values) / len(values)\n"
-)
 
 
 class LLMEngine:
@@ -69,18 +63,23 @@ class LLMEngine:
         kv_dtype = parse_kv_cache_dtype(c.kv_cache_dtype, self.dtype)
         shapes = [(attn.num_kv_heads, attn.head_dim) for attn in model.attention_layers()]
         return KVCache(shapes, kv_dtype, self.dtype, c.kv_cache_memory, c.block_size, self.device,
-                       c.kv_cache_dense_layers)
+                       c.kv_cache_dense_layers, c.kv_cache_recent_tokens, c.max_num_seqs, c.kv_cache_sink_tokens)
 
     def _calibrate_kv_cache(self) -> None:
-        """Run a fixed prompt first, so TurboQuant's outlier channels never depend on user traffic."""
+        """Run a fixed prompt first, so TurboQuant's constants never depend on user traffic.
+
+        Its blocks hold no codes, so a random cache salt keeps any request from reusing them.
+        """
         if self.tokenizer is not None:
-            prompt = self.tokenizer(CALIBRATION_TEXT).input_ids
+            prompt = self.tokenizer(calibration_text()).input_ids
         else:
             prompt = list(range(1, min(self.model_config.vocab_size, 257)))
-        fits = min(self.max_model_len, self.kv_cache.num_blocks * self.config.block_size) - 1
-        self.add_request("calibration", prompt[:fits], SamplingParams(temperature=0, max_tokens=1))
+        fits = min(self.max_model_len, self.kv_cache.num_blocks * self.config.block_size, CALIBRATION_TOKENS + 1) - 1
+        self.add_request("calibration", prompt[:fits], SamplingParams(temperature=0, max_tokens=1),
+                         cache_salt=os.urandom(16).hex())
         while self.has_unfinished_requests():
             self.step()
+        self.kv_cache.finish_calibration()
         self.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_hits = 0
 
     # --- requests ----------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.kvcache.dtype import KVCacheDtype
+from slipstream.kvcache.recent_window import staging_blocks
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -55,21 +56,33 @@ class LayerKVCache:
 class KVCache:
     """All layers' caches, sized from a memory budget; layers may differ in KV heads and head size.
 
-    With TurboQuant, the first and last `dense_layers` layers keep a bf16/fp32 cache.
+    With TurboQuant, the first and last `dense_layers` layers keep a bf16/fp32 cache, and
+    with `recent_tokens` R or `sink_tokens` S > 0 each TurboQuant layer also keeps the newest R
+    and the first S tokens of up to `max_num_seqs` sequences in 16 bits (`RecentWindow`); that
+    staging memory is taken from `memory` before the blocks are counted.
     """
 
     def __init__(self, layer_shapes: list[tuple[int, int]], kv_dtype: KVCacheDtype, model_dtype: torch.dtype,
-                 memory: int, block_size: int, device: torch.device, dense_layers: int = 0):
+                 memory: int, block_size: int, device: torch.device, dense_layers: int = 0,
+                 recent_tokens: int = 0, max_num_seqs: int = 1, sink_tokens: int = 0):
         n = len(layer_shapes)
         self.turboquant = [kv_dtype.is_turboquant and dense_layers <= i < n - dense_layers for i in range(n)]
         self.kv_dtype = kv_dtype
         self.dense_dtype = kv_dtype.dense or model_dtype
+        self.window_dtype = model_dtype if model_dtype.itemsize == 2 else torch.bfloat16
         self.bytes_per_token = self.bytes_per_token_of(layer_shapes, kv_dtype, model_dtype, dense_layers)
         self.block_size = block_size
-        self.num_blocks = memory // (self.bytes_per_token * block_size)
+        self.recent_tokens = recent_tokens if kv_dtype.is_turboquant else 0
+        self.sink_tokens = sink_tokens if kv_dtype.is_turboquant else 0
+        self.num_staging = staging_blocks(self.recent_tokens, self.sink_tokens, block_size, max_num_seqs)
+        staged_bytes = sum(2 * heads * dim for (heads, dim), tq in zip(layer_shapes, self.turboquant) if tq)
+        self.window_memory = self.num_staging * block_size * staged_bytes * self.window_dtype.itemsize
+        self.num_blocks = (memory - self.window_memory) // (self.bytes_per_token * block_size)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={memory} bytes is too small for one block "
-                             f"({self.bytes_per_token * block_size} bytes)")
+                             f"({self.bytes_per_token * block_size} bytes) after {self.window_memory} bytes "
+                             f"of 16-bit staging (kv_cache_recent_tokens={self.recent_tokens}, "
+                             f"kv_cache_sink_tokens={self.sink_tokens})")
         self.layers = [self._layer(i, heads, dim, device) for i, (heads, dim) in enumerate(layer_shapes)]
 
     @staticmethod
@@ -87,9 +100,17 @@ class KVCache:
     def _layer(self, index: int, heads: int, dim: int, device: torch.device):
         if self.turboquant[index]:
             return TurboQuantLayerCache(self.num_blocks, self.block_size, heads, dim, self.kv_dtype.bits,
-                                        self.kv_dtype.key_mode, seed=index, device=device)
+                                        self.kv_dtype.key_mode, seed=index, device=device,
+                                        recent_tokens=self.recent_tokens, num_staging=self.num_staging,
+                                        dense_dtype=self.window_dtype, sink_tokens=self.sink_tokens)
         return LayerKVCache(self.num_blocks, self.block_size, heads, dim, self.dense_dtype, device)
 
     @property
     def needs_calibration(self) -> bool:
         return any(not getattr(layer, "calibrated", True) for layer in self.layers)
+
+    def finish_calibration(self) -> None:
+        """After the calibration prompt ran: fix every TurboQuant layer's constants."""
+        for layer in self.layers:
+            if not getattr(layer, "calibrated", True):
+                layer.finish_calibration()

@@ -5,33 +5,48 @@ step's new K/V (keys after rotary, as they are stored); `gather_codes` hands att
 codes through block tables. `gather`/`gather_batch` dequantize and exist for the reference
 path (dequantize-then-attend) that tests compare the code-reading attention against.
 
-Keys are stored centred: the per-channel mean mu of each KV head (measured once) is
-subtracted before quantizing. Attention is unchanged by it, since <q, k_t> = <q, k_t - mu> +
-<q, mu> and the last term is the same for every key of a query, which softmax ignores;
-the quantizer then spends its bits on what varies between keys. The reference path adds mu
-back. The mean, and with 2.5/3.5 bits the outlier channels of each KV head, are taken from
-the first K/V ever written to the layer and then fixed, so that every stored block (and
-the prefix cache) stays valid; the engine writes a fixed calibration prompt first.
+Keys are stored as (k - mu) / sigma, with mu and sigma fixed per KV head and channel:
+- mu, the mean key: <q, k_t> = <q, k_t - mu> + <q, mu>, and the last term is the same for
+  every key of a query, which softmax ignores; the bits go to what varies between keys.
+- sigma = (E[(k - mu)_j^2] / E[q_j^2])^(1/4): scores use q * sigma, so <q, k> is unchanged,
+  but the rotation then spreads the quantization error over channels in proportion to how
+  much queries read them. This minimises E(q-weighted error) * E|k / sigma|^2 over diagonal
+  scalings (Cauchy-Schwarz); SmolLM2's keys have channels 4-13x the median RMS.
+Both are measured once, with the outlier channels of 2.5/3.5 bits, then never change, so
+every stored block, and the prefix cache, stays valid; no per-token scale is stored. The
+engine runs a calibration prompt first: until `finish_calibration`, attention `observe`s its
+q/k/v and attends to them exactly, and nothing is written to the blocks.
+Keys and values store the norm-corrected scale |x|^2 / <x, x_hat_unit> (see TurboQuantizer).
+
+With `recent_tokens` or `sink_tokens` > 0, a `RecentWindow` also keeps the newest and the
+first tokens of each sequence in 16 bits; attention reads them from there, not the codes.
 """
 from __future__ import annotations
 
 import torch
 
+from slipstream.kvcache.recent_window import RecentWindow
 from slipstream.kvcache.turboquant import TurboQuantizer
 
 
 class TurboQuantLayerCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 bits: float, key_mode: str, seed: int, device: torch.device):
+                 bits: float, key_mode: str, seed: int, device: torch.device, recent_tokens: int = 0,
+                 num_staging: int = 0, dense_dtype: torch.dtype = torch.bfloat16, sink_tokens: int = 0):
         self.block_size = block_size
-        self.key_quantizer = TurboQuantizer(head_dim, bits, mode=key_mode, seed=2 * seed)
-        self.value_quantizer = TurboQuantizer(head_dim, bits, mode="mse", seed=2 * seed + 1)
+        self.window = (RecentWindow(recent_tokens, sink_tokens, num_blocks, num_staging, block_size,
+                                    num_kv_heads, head_dim, dense_dtype, device)
+                       if recent_tokens or sink_tokens else None)
+        self.key_quantizer = _quantizer(head_dim, bits, key_mode, seed=2 * seed)
+        self.value_quantizer = _quantizer(head_dim, bits, "mse", seed=2 * seed + 1)
         self.k = torch.zeros(num_blocks, block_size, num_kv_heads, self.key_quantizer.nbytes,
                              dtype=torch.uint8, device=device)
         self.v = torch.zeros(num_blocks, block_size, num_kv_heads, self.value_quantizer.nbytes,
                              dtype=torch.uint8, device=device)
         self.key_mean = torch.zeros(num_kv_heads, head_dim, device=device)
+        self.key_scale = torch.ones(num_kv_heads, head_dim, device=device)
         self.calibrated = False
+        self._seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
     def bytes_per_token(num_kv_heads: int, head_dim: int, bits: float, key_mode: str) -> int:
@@ -39,13 +54,41 @@ class TurboQuantLayerCache:
         v = TurboQuantizer(head_dim, bits, mode="mse").nbytes
         return num_kv_heads * (k + v)
 
+    def observe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before calibration: keep one step of the calibration sequence; returns all its K/V so far [Hk, L, D]."""
+        self._seen.append((_query_power(q.float(), k.shape[1]) * len(q), k.float(), v.float()))
+        return (torch.cat([k for _, k, _ in self._seen]).transpose(0, 1),
+                torch.cat([v for _, _, v in self._seen]).transpose(0, 1))
+
+    def finish_calibration(self) -> None:
+        """Fix mu, sigma and the outlier channels from every step that `observe` kept."""
+        k = torch.cat([k for _, k, _ in self._seen])
+        self._fix(sum(power for power, _, _ in self._seen) / len(k), k, torch.cat([v for _, _, v in self._seen]))
+        self._seen.clear()
+
+    def calibrate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Fix mu, sigma and the outlier channels from q [T, Hq, D], k/v [T, Hk, D]."""
+        self._fix(_query_power(q.float(), k.shape[1]), k.float(), v.float())
+
+    def _fix(self, query_power: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.calibrated:
+            raise RuntimeError("the TurboQuant cache is already calibrated; stored codes depend on it")
+        self.key_mean = k.mean(0)
+        key_power = _floored((k - self.key_mean).square().mean(0))
+        scale = (key_power / _floored(query_power)) ** 0.25
+        self.key_scale = scale / scale.log().mean(-1, keepdim=True).exp()  # geometric mean 1
+        self.key_quantizer.calibrate(self.scaled_keys(k))
+        self.value_quantizer.calibrate(v)
+        self.calibrated = True
+
+    def scaled_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """What is quantized: (k - mu) / sigma, for k [..., Hk, D]."""
+        return (k.float() - self.key_mean) / self.key_scale
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if not self.calibrated:
-            self.key_mean = k.float().mean(0)
-            self.key_quantizer.calibrate(k - self.key_mean)
-            self.value_quantizer.calibrate(v)
-            self.calibrated = True
-        self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self.key_quantizer.quantize(k - self.key_mean)
+            raise RuntimeError("TurboQuantLayerCache.calibrate must run before the first write")
+        self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self.key_quantizer.quantize(self.scaled_keys(k))
         self.v.view(-1, *self.v.shape[2:])[slot_mapping] = self.value_quantizer.quantize(v)
 
     def gather_codes(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,5 +108,19 @@ class TurboQuantLayerCache:
         return k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
 
     def _dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
-        return ((self.key_quantizer.dequantize(k) + self.key_mean).to(dtype),
-                self.value_quantizer.dequantize(v).to(dtype))
+        keys = self.key_quantizer.dequantize(k) * self.key_scale + self.key_mean
+        return keys.to(dtype), self.value_quantizer.dequantize(v).to(dtype)
+
+
+def _quantizer(dim: int, bits: float, mode: str, seed: int) -> TurboQuantizer:
+    return TurboQuantizer(dim, bits, mode=mode, seed=seed, norm_correction=mode == "mse")
+
+
+def _query_power(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Mean q_j^2 per KV head and channel, over tokens and the query heads that share the KV head."""
+    return q.unflatten(1, (num_kv_heads, -1)).square().mean((0, 2))
+
+
+def _floored(power: torch.Tensor) -> torch.Tensor:
+    """Keep near-silent channels from getting an extreme sigma."""
+    return power.clamp_min(1e-4 * power.mean(-1, keepdim=True).clamp_min(1e-12))

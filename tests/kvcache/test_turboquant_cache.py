@@ -30,7 +30,8 @@ def _step(num_heads: int = 6):
     meta = AttentionMetadata(slot_mapping=torch.tensor(decode_slots + chunk_slots), num_decode_tokens=2,
                              decode_block_tables=tables, decode_context_lens=torch.tensor([7, 10]),
                              prefills=[PrefillChunk(2, 5, 11, chunk_table)])
-    history = torch.randn(16 * 4, 2, 64, generator=g)  # earlier tokens, already in the cache
+    channels = torch.linspace(0.2, 5.0, 64)  # uneven channel RMS, so the key scale is not 1
+    history = torch.randn(16 * 4, 2, 64, generator=g) * channels + 1.0  # earlier tokens, already in the cache
     q = torch.randn(7, num_heads, 64, generator=g)
     k, v = torch.randn(7, 2, 64, generator=g), torch.randn(7, 2, 64, generator=g)
     return history, q, k, v, meta
@@ -43,7 +44,9 @@ def test_attention_on_codes_equals_dequantize_then_attend(kv_dtype, window):
     fast, slow = _cache(kv_dtype), _cache(kv_dtype)
     all_slots = torch.arange(16 * 4)
     for cache in (fast, slow):
+        cache.calibrate(q, history, history.flip(0))
         cache.write(history, history.flip(0), all_slots)
+    assert fast.key_scale.max() / fast.key_scale.min() > 2
     ours = turboquant.paged_attention(q, k, v, fast, meta, 0.125, window)
     ref = reference.paged_attention(q, k, v, slow, meta, 0.125, window)
     assert torch.equal(fast.k, slow.k) and torch.equal(fast.v, slow.v)
@@ -99,3 +102,38 @@ def test_tq4_greedy_stays_coherent_on_smollm2():
     pairs = [(a.outputs[0].token_ids, b.outputs[0].token_ids) for a, b in zip(full, tq4)]
     assert all(a[:2] == b[:2] for a, b in pairs)
     assert sum(a == b for a, b in pairs) >= 2
+
+
+def test_key_scale_follows_key_and_query_channel_power():
+    g = torch.Generator().manual_seed(1)
+    key_std, query_std = torch.linspace(0.5, 8, 64), torch.linspace(2, 1, 64)
+    k = torch.randn(20000, 2, 64, generator=g) * key_std + 5.0
+    q = torch.randn(20000, 6, 64, generator=g) * query_std
+    cache = _cache("tq4")
+    cache.calibrate(q, k, k)
+    expected = (key_std / query_std).sqrt()  # (E k^2 / E q^2)^(1/4), normalised to geometric mean 1
+    expected = expected / expected.log().mean().exp()
+    assert torch.allclose(cache.key_scale, expected.expand(2, -1), rtol=0.03)
+    assert torch.allclose(cache.key_mean, torch.full((2, 64), 5.0), atol=0.2)
+    with pytest.raises(RuntimeError, match="already calibrated"):
+        cache.calibrate(q, k, k)
+
+
+def test_calibration_over_several_steps_equals_one_calibration_on_all_of_them():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(30, 6, 64, generator=g), torch.randn(30, 2, 64, generator=g) * 2, torch.randn(30, 2, 64, generator=g)
+    stepwise, at_once = _cache("tq3.5"), _cache("tq3.5")
+    for rows in (slice(0, 8), slice(8, 9), slice(9, 30)):
+        keys, _ = stepwise.observe(q[rows], k[rows], v[rows])
+    assert torch.equal(keys, k.transpose(0, 1)) and not stepwise.calibrated
+    stepwise.finish_calibration()
+    at_once.calibrate(q, k, v)
+    assert torch.allclose(stepwise.key_scale, at_once.key_scale) and torch.allclose(stepwise.key_mean, at_once.key_mean)
+    assert torch.equal(stepwise.key_quantizer.outlier_channels, at_once.key_quantizer.outlier_channels)
+
+
+def test_engine_calibrates_before_serving_and_never_reuses_the_calibration_blocks(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_dtype="tq3")
+    assert all(layer.calibrated for layer in llm.engine.kv_cache.layers)
+    llm.generate([list(range(1, 40))], SamplingParams(max_tokens=1), use_tqdm=False)  # the calibration prompt's start
+    assert llm.stats()["prefix_cache_hits"] == 0

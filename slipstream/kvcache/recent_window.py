@@ -1,0 +1,101 @@
+"""The newest R tokens (KIVI-style) and the first S tokens (attention sinks) of each sequence,
+kept in 16 bits next to their TurboQuant codes.
+
+Owns: a small pool of dense staging blocks for one layer, which physical blocks hold one,
+and when a staging block is given out or taken back. Must never decide which tokens
+attention reads in 16 bits: attention/turboquant.py does that from positions.
+
+Every token is always written as codes too, so a block without staging is still complete.
+A physical block gets staging only when its first token (offset 0) is written while it is
+in its sequence's window (its first ceil(S / block_size) blocks, or those that the next
+query's R recent tokens reach); from then on every write to the block is mirrored, so a
+staged block's dense copy always matches its codes, also after the block is freed and
+reused (reuse starts again at offset 0, which re-stages or un-stages it) and for blocks that
+a prefix-cache hit shares (they are never rewritten). Blocks that leave every scheduled
+sequence's window are reclaimed least recently used first; a block that finds no staging
+stays codes-only, which costs quality but never correctness.
+
+The pool holds max_num_seqs * (ceil(R / block_size) + 1 + ceil(S / block_size)) blocks, the
+most that the windows of one step's sequences span, and its bytes come out of the KV-cache
+budget. Why sinks: on SmolLM2 the first token draws much of every query's attention and its
+key is far from the others, so its quantization error dominated tq4's loss.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def staging_blocks(recent_tokens: int, sink_tokens: int, block_size: int, max_num_seqs: int) -> int:
+    """Staging blocks a layer needs so that every scheduled sequence's window fits."""
+    recent = math.ceil(recent_tokens / block_size) + 1 if recent_tokens else 0
+    return max_num_seqs * (recent + math.ceil(sink_tokens / block_size))
+
+
+class RecentWindow:
+    """One layer's staging pool; `tokens` is R, `sinks` is S."""
+
+    def __init__(self, recent_tokens: int, sink_tokens: int, num_blocks: int, num_staging: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.tokens, self.sinks, self.block_size = recent_tokens, sink_tokens, block_size
+        self.sink_blocks = math.ceil(sink_tokens / block_size)
+        shape = (num_staging, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.staging_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        self._block_of = [-1] * num_staging
+        self._last_use = [-1] * num_staging
+        self._clock = 0
+
+    def first_block(self, context_len: int) -> int:
+        """Index in a block table of the first block that the next query's recent window reaches."""
+        if not self.tokens:
+            return -(-context_len // self.block_size)  # none: one past the last block
+        return max(0, context_len - self.tokens) // self.block_size
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, in_window: torch.Tensor,
+              active_blocks: list[int]) -> None:
+        """Mirror the step's new k/v [T, Hk, D] into staged blocks.
+
+        in_window [T] bool: the token's block is in its sequence's window after this step.
+        active_blocks: physical blocks in the windows of this step's sequences (kept).
+        """
+        self._clock += 1
+        for staging in self.staging_of[active_blocks].tolist():
+            if staging >= 0:
+                self._last_use[staging] = self._clock
+        starts = (slot_mapping % self.block_size == 0).nonzero().flatten().tolist()
+        blocks, wanted = (slot_mapping // self.block_size).tolist(), in_window.tolist()
+        for i in starts:
+            self._restage(blocks[i], wanted[i])
+        staging = self.staging_of[slot_mapping // self.block_size]
+        keep = staging >= 0
+        rows = staging[keep] * self.block_size + slot_mapping[keep] % self.block_size
+        self.k.view(-1, *self.k.shape[2:])[rows] = k[keep].to(self.k.dtype)
+        self.v.view(-1, *self.v.shape[2:])[rows] = v[keep].to(self.v.dtype)
+
+    def _restage(self, block: int, wanted: bool) -> None:
+        """A block starts over at offset 0: give it staging if it is wanted, else drop any."""
+        staging = int(self.staging_of[block])
+        if staging >= 0 and not wanted:
+            self._block_of[staging], self._last_use[staging] = -1, -1
+            self.staging_of[block] = -1
+        elif staging < 0 and wanted:
+            staging = min(range(len(self._block_of)), key=self._last_use.__getitem__, default=-1)
+            if staging < 0 or self._last_use[staging] == self._clock:
+                return  # every staging block is in use this step: this block stays codes-only
+            if self._block_of[staging] >= 0:
+                self.staging_of[self._block_of[staging]] = -1
+            self._block_of[staging], self.staging_of[block] = block, staging
+        if staging >= 0:
+            self._last_use[staging] = self._clock
+
+    def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Staged K/V of physical blocks [..., n] -> [..., n * block_size, Hk, D] (garbage where none)."""
+        index = self.staging_of[blocks].clamp_min(0)
+        return self.k[index].flatten(-4, -3), self.v[index].flatten(-4, -3)
+
+    def exists(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[..., n] physical blocks -> [..., n * block_size] bool: the token has a staged copy."""
+        return (self.staging_of[blocks] >= 0).repeat_interleave(self.block_size, -1)

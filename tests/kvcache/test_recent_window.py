@@ -1,0 +1,140 @@
+"""kv_cache_recent_tokens / kv_cache_sink_tokens: the newest R and the first S tokens of each
+sequence read in 16 bits, the rest from codes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream import LLM, SamplingParams
+from slipstream.attention import turboquant
+from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
+from slipstream.kvcache.cache import KVCache
+from slipstream.kvcache.dtype import parse_kv_cache_dtype
+from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
+from tests.engine.test_block_accounting import check_invariants
+
+BLOCK, HEADS, KV_HEADS, DIM, RECENT, SCALE = 4, 4, 2, 64, 6, 0.125
+TABLES = {"a": [3, 7, 1, 9], "b": [5, 2, 8]}
+
+
+def _cache(num_staging: int, recent: int = RECENT, sinks: int = 0) -> TurboQuantLayerCache:
+    cache = TurboQuantLayerCache(12, BLOCK, KV_HEADS, DIM, 3, "mse", seed=1, device=torch.device("cpu"),
+                                 recent_tokens=recent, num_staging=num_staging, dense_dtype=torch.float32,
+                                 sink_tokens=sinks)
+    g = torch.Generator().manual_seed(5)
+    cache.calibrate(torch.randn(32, HEADS, DIM, generator=g), torch.randn(32, KV_HEADS, DIM, generator=g) * 3,
+                    torch.randn(32, KV_HEADS, DIM, generator=g))
+    return cache
+
+
+def _step(decodes: list[tuple[str, int]], prefills: list[tuple[str, int, int]]):
+    """Metadata for decode tokens (seq, position) then prefill chunks (seq, first position, length)."""
+    slot = lambda seq, p: TABLES[seq][p // BLOCK] * BLOCK + p % BLOCK
+    slots = [slot(s, p) for s, p in decodes]
+    chunks, start = [], len(decodes)
+    for seq, first, n in prefills:
+        slots += [slot(seq, p) for p in range(first, first + n)]
+        chunks.append(PrefillChunk(start, n, first + n, torch.tensor(TABLES[seq])))
+        start += n
+    width = max((len(TABLES[s]) for s, _ in decodes), default=1)
+    tables = torch.tensor([TABLES[s] + [0] * (width - len(TABLES[s])) for s, _ in decodes]) if decodes else None
+    lens = torch.tensor([p + 1 for _, p in decodes]) if decodes else None
+    return AttentionMetadata(torch.tensor(slots), len(decodes), tables, lens, chunks)
+
+
+def _expected(q, cache, seq, pos, exact_k, exact_v, new_positions):
+    """One query at `pos`: 16-bit K/V for staged or new tokens among the recent or sink ones, codes for the rest."""
+    table = torch.tensor(TABLES[seq])
+    k, v = cache.gather(table, pos + 1, torch.float32)  # dequantized [Hk, pos+1, D]
+    t = torch.arange(pos + 1)
+    staged = cache.window.exists(table)[:pos + 1] | torch.isin(t, torch.tensor(new_positions))
+    exact = ((t > pos - cache.window.tokens) | (t < cache.window.sinks)) & staged
+    k = torch.where(exact[None, :, None], exact_k[:pos + 1].transpose(0, 1), k)
+    v = torch.where(exact[None, :, None], exact_v[:pos + 1].transpose(0, 1), v)
+    k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
+    probs = (torch.einsum("hd,htd->ht", q, k) * SCALE).softmax(-1)
+    return torch.einsum("ht,htd->hd", probs, v)
+
+
+@pytest.mark.parametrize("recent, sinks", [(RECENT, 0), (RECENT, 2), (0, 3), (2, 5)])
+@pytest.mark.parametrize("num_staging", [16, 2])  # 2: most blocks find no staging and read codes
+def test_attention_reads_recent_and_sink_tokens_in_16_bits_and_the_rest_from_codes(num_staging, recent, sinks):
+    g = torch.Generator().manual_seed(0)
+    cache = _cache(num_staging, recent, sinks)
+    exact = {s: (torch.randn(16, KV_HEADS, DIM, generator=g), torch.randn(16, KV_HEADS, DIM, generator=g))
+             for s in TABLES}
+    steps = [([], [("a", 0, 10), ("b", 0, 7)]), ([("b", 7)], [("a", 10, 5)]), ([("a", 15), ("b", 8)], [])]
+    for decodes, prefills in steps:
+        meta = _step(decodes, prefills)
+        rows = [(s, p) for s, p in decodes] + [(s, p) for s, first, n in prefills for p in range(first, first + n)]
+        k = torch.stack([exact[s][0][p] for s, p in rows])
+        v = torch.stack([exact[s][1][p] for s, p in rows])
+        q = torch.randn(len(rows), HEADS, DIM, generator=g)
+        out = turboquant.paged_attention(q, k, v, cache, meta, SCALE)
+        for row, (seq, pos) in enumerate(rows):
+            if any(s == seq and first == 0 for s, first, _ in prefills):
+                continue  # a first chunk attends to its fresh K/V only, as without the window
+            new = [p for s, p in rows if s == seq]
+            want = _expected(q[row], cache, seq, pos, *exact[seq], new)
+            assert torch.allclose(out[row], want, atol=1e-5), (seq, pos, (out[row] - want).abs().max())
+    if num_staging == 16 and recent == RECENT:  # every block in a window got staging
+        assert cache.window.exists(torch.tensor(TABLES["a"][2:]))[:16 - 8].all()
+    if num_staging == 16 and sinks:
+        assert cache.window.exists(torch.tensor([TABLES["a"][0], TABLES["b"][0]])).all()
+
+
+def test_a_reused_block_drops_its_stale_staging():
+    cache = _cache(16)
+    k = torch.randn(8, KV_HEADS, DIM)
+    meta = _step([], [("a", 0, 8)])  # blocks 3, 7; both in a 6-token window of position 7
+    turboquant.paged_attention(torch.randn(8, HEADS, DIM), k, k, cache, meta, SCALE)
+    assert cache.window.staging_of[[3, 7]].tolist() != [-1, -1]
+    TABLES["c"] = [3, 11, 4]  # block 3 reused at index 0, out of the window of position 11
+    try:
+        meta = _step([], [("c", 0, 12)])
+        turboquant.paged_attention(torch.randn(12, HEADS, DIM), torch.randn(12, KV_HEADS, DIM),
+                                   torch.randn(12, KV_HEADS, DIM), cache, meta, SCALE)
+    finally:
+        del TABLES["c"]
+    assert cache.window.staging_of[3] == -1 and (cache.window.staging_of[[11, 4]] >= 0).all()
+
+
+def test_staging_comes_out_of_the_memory_budget():
+    shapes, spec = [(3, 64)] * 30, parse_kv_cache_dtype("tq3", torch.bfloat16)
+    plain = KVCache(shapes, spec, torch.bfloat16, 64 * 2**20, 16, torch.device("meta"))
+    windowed = KVCache(shapes, spec, torch.bfloat16, 64 * 2**20, 16, torch.device("meta"),
+                       recent_tokens=32, max_num_seqs=4, sink_tokens=4)
+    staged_bytes = 4 * (3 + 1) * 16 * 30 * 2 * 3 * 64 * 2  # seqs x (recent + sink blocks) x tokens x layers x K,V bf16
+    assert windowed.window_memory == staged_bytes
+    assert windowed.num_blocks == (64 * 2**20 - staged_bytes) // (16 * plain.bytes_per_token)
+    assert windowed.bytes_per_token == plain.bytes_per_token
+
+
+def _tiny_tq3(tiny_llama, blocks: int, **knobs) -> LLM:
+    """tq3 on the tiny model with room for `blocks` blocks after the 16-bit staging."""
+    spec = parse_kv_cache_dtype("tq3", torch.float32)
+    staging = KVCache([(2, 16)] * 2, spec, torch.float32, 10**9, 16, torch.device("meta"), recent_tokens=knobs[
+        "kv_cache_recent_tokens"], max_num_seqs=4, sink_tokens=knobs["kv_cache_sink_tokens"]).window_memory
+    block_bytes = 16 * KVCache.bytes_per_token_of([(2, 16)] * 2, spec)
+    return LLM(tiny_llama, dtype="float32", kv_cache_dtype="tq3", max_num_seqs=4,
+               kv_cache_memory=blocks * block_bytes + staging, **knobs)
+
+
+@pytest.mark.parametrize("recent, sinks", [(8, 0), (8, 3), (0, 20)])
+def test_prefix_caching_and_preemption_invariants_with_16_bit_tokens(tiny_llama, recent, sinks):
+    llm = _tiny_tq3(tiny_llama, 8, kv_cache_recent_tokens=recent, kv_cache_sink_tokens=sinks)
+    engine = llm.engine
+    prompts = [[3 + i % 40 for i in range(n)] for n in (20, 37, 45, 30, 52)]  # shared prefixes
+    for i, p in enumerate(prompts * 2):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_invariants(engine)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["num_used_blocks"] == 0
+
+
+@pytest.mark.parametrize("knob", ["kv_cache_recent_tokens", "kv_cache_sink_tokens"])
+def test_knobs_must_be_non_negative_integers(tiny_llama, knob):
+    with pytest.raises(ValueError, match=f"{knob}=-1"):
+        LLM(tiny_llama, **{knob: -1})
