@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from slipstream.config import EngineConfig
+from slipstream.config import QUANTIZATION_METHODS, EngineConfig
 from slipstream.engine.engine import LLMEngine
 from slipstream.sampling_params import SamplingParams
 
@@ -16,6 +16,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     parser.add_argument("--model", default=d.model, help="bundled alias, .gguf file or HF checkpoint directory")
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_METHODS,
+                        help="weight-only quantization of the linear layers")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                         help="auto, bfloat16, float32, fp8, tq4, tq3.5, tq3, tq2.5, tq2 (TurboQuant; -qjl suffix: QJL keys)")
     parser.add_argument("--kv-cache-dense-layers", type=int, default=d.kv_cache_dense_layers,
@@ -35,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(
-        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_dense_layers=args.kv_cache_dense_layers, kv_cache_recent_tokens=args.kv_cache_recent_tokens,
         kv_cache_sink_tokens=args.kv_cache_sink_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,

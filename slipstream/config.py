@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANTIZATION_METHODS = ("int8", "int4")
 
 
 @dataclass
@@ -45,6 +46,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     dtype: str = "auto"
+    quantization: str | None = None  # weight-only: "int8" or "int4"
     kv_cache_dtype: str = "auto"
     kv_cache_dense_layers: int = 0  # TurboQuant: first and last N layers keep a 16-bit cache
     kv_cache_recent_tokens: int = 0  # TurboQuant: newest R tokens of each sequence also kept in 16 bits
@@ -72,6 +74,9 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype={self.dtype!r} is not supported; allowed: 'auto', {', '.join(map(repr, DTYPES))}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization={self.quantization!r} is not supported; "
+                             f"allowed: None, {', '.join(map(repr, QUANTIZATION_METHODS))}")
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from slipstream.config import ModelConfig
+from slipstream.layers.linear import prepack_weights
+from slipstream.layers.quantization import quantize_linear_layers
 from slipstream.loader import safetensors
 from slipstream.loader.gguf import GGUFFile
 from slipstream.loader.hf_config import read_hf_config
@@ -23,7 +25,7 @@ class LoadedModel:
     tokenizer: object | None
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(name: str, dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> LoadedModel:
     path = resolve_model_path(name)
     if path.endswith(".gguf"):
         gguf = GGUFFile(path)
@@ -36,7 +38,10 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device) -> LoadedMod
     model.load_weights(weights)
     for param in model.parameters():  # buffers (rope tables) stay float32
         param.data = param.data.to(dtype)
+    if quantization:
+        quantize_linear_layers(model, quantization)
     model.to(device)
+    prepack_weights(model)
     model.eval()
     tokenizer = load_tokenizer(path)
     _add_tokenizer_eos(config, tokenizer)

@@ -1,0 +1,104 @@
+"""Weight-only quantization of the linear layers: int8 per output channel, int4 per group.
+
+Single-stream decode reads every weight once per token, so its speed is bytes of weights
+over memory bandwidth: int8 halves the bytes of bf16, int4 quarters them. Activations stay
+in the model dtype and the multiply runs in PyTorch's own CPU kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which dequantize inside the GEMM.
+
+- int8: symmetric, one scale per output channel, w = q * s with q in [-127, 127].
+- int4: asymmetric groups of INT4_GROUP_SIZE input channels (the layout of GGUF's Q4_1),
+  w = q * s + m with q in [0, 15]; the kernel takes (s, m + 8s) per group.
+
+Large batches (prefill chunks) are compute bound rather than bandwidth bound, and the
+packed kernels are slower than a plain GEMM there, so from UPCAST_MIN_ROWS rows on the
+weight is dequantized to fp32 for that call (layers/linear.py says why fp32).
+Embedding tables stay in the model dtype (a lookup reads one row per token); a tied LM
+head gets its own quantized copy. MoE experts (stacked weight tensors) are not quantized.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.config import QUANTIZATION_METHODS
+from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear
+
+INT4_GROUP_SIZE = 32
+
+
+class _WeightOnlyLinear(nn.Module):
+    """Subclasses hold the packed weight and provide `packed_mm(x)` and `dequantized(dtype)`."""
+
+    bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= UPCAST_MIN_ROWS:  # compute bound: dequantize, multiply in fp32
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.dequantized(torch.float32), bias).to(x.dtype)
+        out = self.packed_mm(x)
+        return out if self.bias is None else out + self.bias
+
+
+class Int8Linear(_WeightOnlyLinear):
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        w = layer.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
+        self.register_buffer("scale", scale.to(layer.weight.dtype))
+        self.bias = layer.bias
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
+
+
+class Int4Linear(_WeightOnlyLinear):
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        n, k = layer.weight.shape
+        w = layer.weight.detach().float().reshape(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1))
+        # the kernel's tiled layout is private, so large batches dequantize from plain nibbles
+        self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))
+        # [groups, out_features, (scale, zero)] as the kernel wants; its zero point sits at q = 8
+        self.register_buffer("scales_and_zeros", torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)
+                             .contiguous().to(layer.weight.dtype))
+        self.bias = layer.bias
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """(q - 8) * scale + zero, with the kernel's own (rounded) scales and zeros."""
+        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).to(dtype)
+        scale, zero = self.scales_and_zeros.to(dtype).transpose(0, 1).unbind(-1)
+        q = q.reshape(*scale.shape, INT4_GROUP_SIZE)
+        return ((q - 8) * scale[..., None] + zero[..., None]).flatten(1)
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE,
+                                                          self.scales_and_zeros.to(x.dtype))
+
+
+_QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def quantize_linear_layers(model: nn.Module, method: str) -> int:
+    """Replace every `Linear` of `model` with its quantized form; returns how many."""
+    if method not in _QUANTIZED:
+        raise ValueError(f"quantization={method!r} is not supported; allowed: {', '.join(QUANTIZATION_METHODS)}")
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear) and _fits(method, child):
+                setattr(parent, name, _QUANTIZED[method](child))
+                replaced += 1
+    return replaced
+
+
+def _fits(method: str, layer: nn.Linear) -> bool:
+    return method == "int8" or layer.in_features % INT4_GROUP_SIZE == 0
