@@ -1,0 +1,257 @@
+"""slipstream vs transformers vs llama.cpp on one model, one run, same threads.
+
+Figures (tokens/s, median of --repeats):
+- decode, 1 stream: a 32-token prompt, then --decode-tokens greedy tokens; time after the
+  first token only. Roofline: measured read bandwidth / bytes of weights read per step.
+- prefill, 512 tokens: one prompt, time to its first token.
+- decode at batch 8 and 32: as above with B prompts decoding together.
+- offline throughput: the engine-core workload (benchmarks/throughput.py), output tok/s.
+
+transformers runs a hand-written greedy loop over its own KV cache (bf16 like us);
+llama.cpp (`pip install llama-cpp-python`, see the README) runs the same GGUF file in its
+own weight format, through its low-level batch API, one sequence id per stream.
+
+    python benchmarks/compare.py [--model smollm2-135m] [--threads 2] [--quantization int4]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from slipstream import LLM, SamplingParams
+from throughput import load_reference, run_slipstream, run_transformers, workload
+
+PROMPT_LEN = 32
+PREFILL_LEN = 512
+BATCHES = (8, 32)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (n, length), generator=g).tolist()
+
+
+def median_of(repeats: int, measure) -> float:
+    return statistics.median(measure(i) for i in range(repeats))
+
+
+# --- slipstream ------------------------------------------------------------------------
+class Slipstream:
+    name = "slipstream"
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    def prefill(self, prompt: list[int]) -> float:
+        out = self.llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+        return len(prompt) / out.metrics.ttft
+
+    def decode(self, prompts: list[list[int]], steps: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return len(prompts) / statistics.mean(o.metrics.tpot for o in outs)
+
+
+# --- transformers ----------------------------------------------------------------------
+class Transformers:
+    name = "transformers"
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        self.model(torch.tensor([prompt]), logits_to_keep=1)
+        return len(prompt) / (time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def decode(self, prompts: list[list[int]], steps: int) -> float:
+        out = self.model(torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = self.model(token, cache=out.cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        return len(prompts) * steps / (time.perf_counter() - start)
+
+
+# --- llama.cpp -------------------------------------------------------------------------
+class LlamaCpp:
+    name = "llama.cpp"
+
+    def __init__(self, path: str, threads: int, max_seqs: int, max_tokens: int):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=PREFILL_LEN, verbose=False)
+        # the high-level Llama serves one sequence; batched decode needs a context of our own
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_seq_max, params.kv_unified = max_seqs * max_tokens, max_seqs, True
+        params.n_batch = params.n_ubatch = PREFILL_LEN
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = llama_cpp.llama_init_from_model(self.llm.model, params)
+        self.n_vocab = self.llm.n_vocab()
+        self.batch = llama_cpp.llama_batch_init(max(PREFILL_LEN, max_seqs * max_tokens), 0, max_seqs)
+
+    def _clear(self) -> None:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """entries: (token, position, sequence id, wants logits)."""
+        b = self.batch
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = token, pos, 1, seq, logits
+        b.n_tokens = len(entries)
+        if self.lib.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, row: int) -> int:
+        logits = self.lib.llama_get_logits_ith(self.ctx, row)
+        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
+
+    def prefill(self, prompt: list[int]) -> float:
+        self._clear()
+        start = time.perf_counter()
+        self._decode([(t, p, 0, p == len(prompt) - 1) for p, t in enumerate(prompt)])
+        self._argmax(-1)
+        return len(prompt) / (time.perf_counter() - start)
+
+    def decode(self, prompts: list[list[int]], steps: int) -> float:
+        self._clear()
+        for seq, prompt in enumerate(prompts):
+            self._decode([(t, p, seq, p == len(prompt) - 1) for p, t in enumerate(prompt)])
+        tokens = [self._argmax(-1)] * len(prompts)
+        start = time.perf_counter()
+        for step in range(steps):
+            pos = len(prompts[0]) + step
+            self._decode([(t, pos, seq, True) for seq, t in enumerate(tokens)])
+            tokens = [self._argmax(i) for i in range(len(prompts))]
+        return len(prompts) * steps / (time.perf_counter() - start)
+
+    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> float:
+        """The offline workload one request at a time, as llama-cpp-python serves it."""
+        start = time.perf_counter()
+        for prompt, n in zip(prompts, output_lens):
+            self._clear()
+            self._decode([(t, p, 0, p == len(prompt) - 1) for p, t in enumerate(prompt)])
+            token = self._argmax(-1)
+            for pos in range(len(prompt), len(prompt) + n - 1):
+                self._decode([(token, pos, 0, True)])
+                token = self._argmax(-1)
+        return sum(output_lens) / (time.perf_counter() - start)
+
+
+# --- roofline --------------------------------------------------------------------------
+def read_bandwidth() -> float:
+    """Bytes/s for summing a 1 GiB tensor (best of 5), with the benchmark's threads."""
+    x = torch.ones(256 * 1024**2)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every weight but the embedding table (one row is read)."""
+    embedding = model.model.embed_tokens.weight
+    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
+                if t is not embedding and t.dtype != torch.float32)
+    if model.config.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear):
+        total += embedding.numel() * embedding.element_size()  # the tied head reads the table
+    return total
+
+
+# --- main ------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=32, help="offline throughput workload size")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp", "throughput"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    llm = LLM(args.model, dtype="bfloat16", quantization=args.quantization, max_num_seqs=max(BATCHES),
+              enable_prefix_caching=False)
+    vocab = llm.engine.model_config.vocab_size
+    peers = [Slipstream(llm)]
+    if "transformers" not in args.skip:
+        peers.append(Transformers(load_reference(llm.engine.model_path, torch.bfloat16)))
+    if "llama.cpp" not in args.skip:
+        peers += _llama_cpp(llm.engine.model_path, args)
+
+    bandwidth = read_bandwidth()
+    weights = weight_bytes_per_step(llm.engine.runner.model)
+    print(f"model {args.model}, slipstream bf16 weights{' + ' + args.quantization if args.quantization else ''}, "
+          f"{args.threads} threads, median of {args.repeats}; read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    rows = measure(peers, args, vocab)
+    if "throughput" not in args.skip:
+        rows["offline throughput"] = throughput(peers, args, vocab)
+    report(rows, [p.name for p in peers])
+    roofline = bandwidth / weights
+    ours = rows["decode, 1 stream"]["slipstream"]
+    print(f"single-stream roofline: {bandwidth / 1e9:.1f} GB/s / {weights / 1e6:.0f} MB of weights per step = "
+          f"{roofline:.0f} tok/s; slipstream reaches {ours / roofline:.0%}")
+
+
+def _llama_cpp(path: str, args) -> list[LlamaCpp]:
+    try:
+        return [LlamaCpp(path, args.threads, max(BATCHES), PROMPT_LEN + args.decode_tokens + 1)]
+    except ImportError:
+        print("llama-cpp-python is not installed: llama.cpp column skipped (see README, Performance)")
+        return []
+
+
+def measure(peers, args, vocab: int) -> dict[str, dict[str, float]]:
+    rows = {"decode, 1 stream": {}, "prefill, 512 tokens": {}, **{f"decode, batch {b}": {} for b in BATCHES}}
+    for peer in peers:
+        peer.decode(random_prompts(1, PROMPT_LEN, vocab, 99), 4)  # warm-up
+        rows["decode, 1 stream"][peer.name] = median_of(
+            args.repeats, lambda i: peer.decode(random_prompts(1, PROMPT_LEN, vocab, i), args.decode_tokens))
+        rows["prefill, 512 tokens"][peer.name] = median_of(
+            args.repeats, lambda i: peer.prefill(random_prompts(1, PREFILL_LEN, vocab, 100 + i)[0]))
+        for b in BATCHES:
+            rows[f"decode, batch {b}"][peer.name] = median_of(
+                args.repeats, lambda i: peer.decode(random_prompts(b, PROMPT_LEN, vocab, 200 + i), args.decode_tokens))
+    return rows
+
+
+def throughput(peers, args, vocab: int) -> dict[str, float]:
+    prompts, output_lens = workload(args.num_prompts, vocab)
+    total = sum(output_lens)
+    results = {}
+    for peer in peers:
+        if isinstance(peer, Slipstream):
+            results[peer.name] = total / run_slipstream(peer.llm, prompts, output_lens)
+        elif isinstance(peer, Transformers):
+            results[peer.name] = total / run_transformers(peer.model, prompts, output_lens, batch_size=16)
+        elif isinstance(peer, LlamaCpp):
+            results[peer.name] = peer.generate(prompts, output_lens)
+    return results
+
+
+def report(rows: dict[str, dict[str, float]], names: list[str]) -> None:
+    others = [n for n in names if n != "slipstream"]
+    header = f"{'tok/s':22s}" + "".join(f"{n:>14s}" for n in names) + "".join(f"{'vs ' + n:>18s}" for n in others)
+    print(header)
+    for row, figures in rows.items():
+        line = f"{row:22s}" + "".join(f"{figures.get(n, float('nan')):14.1f}" for n in names)
+        line += "".join(f"{figures['slipstream'] / figures[n]:17.2f}x" if n in figures else f"{'-':>18s}" for n in others)
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
