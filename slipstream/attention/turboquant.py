@@ -76,15 +76,15 @@ def _stage(window: RecentWindow, k: torch.Tensor, v: torch.Tensor, meta: Attenti
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
             meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     n, tables, lens = q.shape[0], meta.decode_block_tables, meta.decode_context_lens
-    keys, values = cache.gather_codes(tables)  # [B, L, Hk, nbytes]
-    qg = q.view(n, keys.shape[2], -1, q.shape[-1])  # [B, Hk, G, D]
-    visible = reference.decode_mask(keys.shape[1], lens, window)  # [B, L]
+    keys, values = cache.codes_by_head(tables)  # [B, Hk, L, nbytes]
+    qg = q.view(n, keys.shape[1], -1, q.shape[-1])  # [B, Hk, G, D]
+    visible = reference.decode_mask(keys.shape[2], lens, window)  # [B, L]
     dense = None
     if cache.window is not None:
         recent = cache.window
         qpos = (lens - 1)[:, None]  # [B, 1]
-        pos = torch.arange(keys.shape[1], device=q.device)
-        readable = recent.exists(tables)[:, :keys.shape[1]] | (pos == qpos)
+        pos = torch.arange(keys.shape[2], device=q.device)
+        readable = recent.exists(tables)[:, :keys.shape[2]] | (pos == qpos)
         visible = visible & ~(readable & _near(pos, qpos, recent, None))
         staged_k, staged_v, staged_pos, exists = _staged_decode_window(recent, tables, lens)  # [B, Ls, ...]
         staged_mask = exists & (staged_pos < qpos) & _near(staged_pos, qpos, recent, window)
@@ -92,15 +92,15 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuant
         dense_v = torch.cat([staged_v, v[:, None].to(staged_v.dtype)], 1).transpose(1, 2)
         dense_mask = torch.cat([staged_mask, _near(qpos, qpos, recent, window)], 1)
         dense = (dense_k, dense_v, dense_mask[:, None, None, :])
-    out = _attend(qg, keys.transpose(1, 2), values.transpose(1, 2), visible[:, None, None, :], cache, scale, dense)
+    out = _attend(qg, keys, values, visible[:, None, None, :], cache, scale, dense)
     return out.reshape(n, *q.shape[1:])
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
              chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
     length = chunk.context_len
-    keys, values = cache.gather_codes(chunk.block_table)
-    keys, values = keys[:length].transpose(0, 1), values[:length].transpose(0, 1)  # [Hk, L, nb]
+    keys, values = cache.codes_by_head(chunk.block_table)
+    keys, values = keys[:, :length], values[:, :length]  # [Hk, L, nb]
     n, num_heads, dim = q.shape
     num_kv = keys.shape[0]
     group = num_heads // num_kv

@@ -1,7 +1,7 @@
 """Paged storage of TurboQuant codes: per layer, one uint8 row per (token, KV head) for K and V.
 
 Shape per layer: [num_blocks, block_size, num_kv_heads, nbytes]. Writing quantizes the
-step's new K/V (keys after rotary, as they are stored); `gather_codes` hands attention the
+step's new K/V (keys after rotary, as they are stored); `codes_by_head` hands attention the
 codes through block tables. `gather`/`gather_batch` dequantize and exist for the reference
 path (dequantize-then-attend) that tests compare the code-reading attention against.
 
@@ -97,6 +97,10 @@ class TurboQuantLayerCache:
         v = self.v[block_tables].flatten(-4, -3)
         return k, v
 
+    def codes_by_head(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes through block tables [..., n_blocks] -> [..., H, n_blocks * block_size, nbytes], contiguous."""
+        return _by_head(self.k, block_tables), _by_head(self.v, block_tables)
+
     def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype):
         """Dequantized, in the dense cache's layout: [num_kv_heads, length, head_dim]."""
         k, v = self._dequantize(*self.gather_codes(block_table), dtype)
@@ -110,6 +114,14 @@ class TurboQuantLayerCache:
     def _dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
         keys = self.key_quantizer.dequantize(k) * self.key_scale + self.key_mean
         return keys.to(dtype), self.value_quantizer.dequantize(v).to(dtype)
+
+
+def _by_head(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    # index_select of whole blocks, then one small uint8 copy: attention's matmuls then read
+    # contiguous per-head rows (advanced indexing and strided operands measured much slower)
+    num_blocks, block_size, heads, nbytes = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, tables.flatten())
+    return rows.view(*tables.shape[:-1], -1, heads, nbytes).transpose(-3, -2).contiguous()
 
 
 def _quantizer(dim: int, bits: float, mode: str, seed: int) -> TurboQuantizer:
