@@ -27,8 +27,9 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# slipstream vs transformers (and llama.cpp once `.[peers]` is installed, see README)
 bench: install
-	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/compare.py
 
 clean:
 	rm -rf $(VENV)

@@ -8,7 +8,7 @@ stay free of batch bookkeeping.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] long (padded with 0)
     decode_context_lens: torch.Tensor | None  # [B] long
     prefills: list[PrefillChunk]
+    # per-step values every layer would otherwise recompute, keyed by what they depend on
+    step_cache: dict = field(default_factory=dict, repr=False)
 
 
 _current: AttentionMetadata | None = None

@@ -36,8 +36,10 @@ def _decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale
     # heads lead the batch dims so that every matmul operand is contiguous
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [Hk, B, G, D]
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [Hk, B, G, L]
-    visible = decode_mask(keys.shape[2], meta.decode_context_lens, window)
-    scores.masked_fill_(~visible[None, :, None, :], float("-inf"))
+    key = ("decode_hidden", keys.shape[2], window)
+    if key not in meta.step_cache:  # once per step, not once per layer
+        meta.step_cache[key] = ~decode_mask(keys.shape[2], meta.decode_context_lens, window)[None, :, None, :]
+    scores.masked_fill_(meta.step_cache[key], float("-inf"))
     probs = scores.softmax(-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [Hk, B, G, D]
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)

@@ -1,7 +1,8 @@
 """Rotary position embedding (the non-interleaved "rotate half" layout of transformers).
 
 cos/sin are precomputed for every position up to the model's limit and looked up by the
-flattened `positions` of a step, so prefill chunks and decode tokens mix freely.
+flattened `positions` of a step, so prefill chunks and decode tokens mix freely. Every
+layer of a step passes the same `positions` tensor, so the lookup runs once per step.
 """
 from __future__ import annotations
 
@@ -22,12 +23,18 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their own dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self._lookup(positions)
+        qk = _rotate(torch.cat([q, k], dim=1), cos, sin)  # one pass over both: half the ops
+        return qk.split([q.shape[1], k.shape[1]], dim=1)
+
+    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._step is None or self._step[0] is not positions:
+            self._step = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return self._step[1], self._step[2]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
