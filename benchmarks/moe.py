@@ -14,7 +14,8 @@ parameters, 200M of them in experts), bfloat16 for every engine, the same torch 
 - naive: slipstream with the expert execution replaced by a loop over tokens, each token
   running its k experts on itself alone — the same math without grouping by expert.
 
-Runs are interleaved across engines and repeated; the fastest of each is kept. On a shared
+Runs are interleaved across engines and repeated; the table gives each engine's median
+(docs/benchmarks.md), and a last line the ratios of the fastest runs. On a shared
 machine, `--clock cpu` (with --threads 1) times by process CPU time instead of wall time, so
 that other processes' load does not count. A heat map of tokens per expert and layer goes to
 --heatmap.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -161,7 +163,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {args.clock} clock; transformers {transformers.__version__} "
           f"(experts_implementation={default_experts} by default)")
     print(f"prefill: {B} x {L} tokens; decode: {DB} sequences x {DN} tokens after {DP}-token prompts; "
-          f"best of {args.repeats} interleaved runs")
+          f"median of {args.repeats} interleaved runs")
 
     slipstream_prefill(llm, 1, 16, seed=99)  # warm-up
     hf_prefill(hf, 1, 16, seed=99)
@@ -179,7 +181,9 @@ def main() -> None:
             for run, measured in zip(runs, times[name]):
                 measured.append(run(seed))
     hf.set_experts_implementation(default_experts)
-    results = {name: (B * L / min(prefill), DB * DN / min(decode)) for name, (prefill, decode) in times.items()}
+    results = {name: (B * L / statistics.median(prefill), DB * DN / statistics.median(decode))
+               for name, (prefill, decode) in times.items()}
+    fastest = [min(hf_times) / min(ours) for hf_times, ours in zip(times["transformers"], times["slipstream"])]
     expert_load = llm.stats()["expert_load"]
     grouped_forward, Experts.forward = Experts.forward, naive_experts_forward
     try:
@@ -195,6 +199,7 @@ def main() -> None:
         print(f"{name:24s}{prefill:14.1f}{decode:14.1f}   (x{prefill / hf_prefill_tps:.2f} / x{decode / hf_decode_tps:.2f}"
               f" vs transformers)")
     print(f"(naive loop: one run; its prefill on {B} x {args.naive_prefill_len} tokens)")
+    print(f"fastest runs: slipstream x{fastest[0]:.2f} / x{fastest[1]:.2f} vs transformers")
     print("\nexpert load over the slipstream runs (token-expert pairs):")
     print(load_balance_summary(expert_load))
     save_heatmap(expert_load, args.heatmap)
