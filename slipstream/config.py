@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
 
 
 @dataclass
@@ -46,7 +46,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     dtype: str = "auto"
-    quantization: str | None = None  # weight-only: "int8" or "int4"
+    quantization: str | None = None  # "int8" / "int4" weight-only, "w8a8" int8 weights and activations
     kv_cache_dtype: str = "auto"
     kv_cache_dense_layers: int = 0  # TurboQuant: first and last N layers keep a 16-bit cache
     kv_cache_recent_tokens: int = 0  # TurboQuant: newest R tokens of each sequence also kept in 16 bits
