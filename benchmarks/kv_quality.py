@@ -9,7 +9,7 @@ and how many 2k-token sequences fit one fixed kv_cache_memory (with kv_cache_rec
 or kv_cache_sink_tokens, counting the 16-bit staging of that many sequences). Plots quality
 vs bits.
 
-    python benchmarks/kv_quality.py [--tokens 1024] [--out benchmarks/out]
+    python benchmarks/kv_quality.py [--tokens 1024] [--out benchmarks/out] [--skip-speed] [--rows NAME ...]
 """
 from __future__ import annotations
 
@@ -104,26 +104,32 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--out", default="benchmarks/out")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--rows", nargs="*", help="only these rows, by name, in this order")
     args = parser.parse_args()
-    rows, reference = [], None
-    for kv_dtype, dense, recent, sinks in [(d, 0, 0, 0) for d in DTYPES] + KNOBS:
+    specs = {_name(*spec): spec for spec in [(d, 0, 0, 0) for d in DTYPES] + KNOBS}
+    _, reference, base_ppl, _ = quality("float32", 0, 0, 0, _ids(args.tokens), None)
+    rows = []
+    for name in args.rows or specs:
+        kv_dtype, dense, recent, sinks = specs[name]
         start = time.monotonic()
         llm, logprobs, ppl, kl = quality(kv_dtype, dense, recent, sinks, _ids(args.tokens), reference)
-        reference = logprobs if reference is None else reference
         stats = llm.stats()
         bf16_bytes = 2 * 30 * 3 * 64 * 2
         fits = sequences_that_fit(kv_dtype, dense, recent, sinks, args.context)
         key = passkey(llm, args.context)
-        name = (kv_dtype + (f" +{dense} dense" if dense else "") + (f" recent {recent}" if recent else "")
-                + (f" sinks {sinks}" if sinks else ""))
         speed = (decode_speed(kv_dtype, recent, sinks, args.context) if not args.skip_speed and name in SPEED
                  else None)
         rows.append((name, stats["kv_bytes_per_token"], bf16_bytes / stats["kv_bytes_per_token"], ppl, kl, key, speed, fits))
         print(f"{name:18s} {rows[-1][1]:6d} B/token {rows[-1][2]:5.2f}x  ppl {ppl:7.3f}  KL {kl:.4f}  "
               f"passkey {key:.2f}  fits {fits:3d}  " + (f"decode {speed:.1f} tok/s" if speed else "") +
               f"  ({time.monotonic() - start:.0f} s)", flush=True)
-    print_table(rows, args)
+    print_table(rows, args, base_ppl)
     plot(rows, os.path.join(args.out, "kv_quality.png"))
+
+
+def _name(kv_dtype: str, dense: int, recent: int, sinks: int) -> str:
+    return (kv_dtype + (f" +{dense} dense" if dense else "") + (f" recent {recent}" if recent else "")
+            + (f" sinks {sinks}" if sinks else ""))
 
 
 _TEXT_IDS: list[int] = []
@@ -139,8 +145,7 @@ def _ids(n: int) -> list[int]:
     return _TEXT_IDS
 
 
-def print_table(rows, args) -> None:
-    base_ppl = rows[0][3]
+def print_table(rows, args, base_ppl: float) -> None:
     speeds = {r[0]: r[6] for r in rows if r[6]}
     print(f"\n| kv_cache_dtype | bytes/token | vs bf16 | perplexity ({args.tokens} tok) | vs fp32 | mean KL | "
           f"passkey @{args.context} | decode @{args.context} vs bf16 | seqs of {args.context} in {MEMORY >> 20} MiB |")
