@@ -8,10 +8,12 @@ Figures (tokens/s, median of --repeats):
 - offline throughput: the engine-core workload (benchmarks/throughput.py), output tok/s.
 
 transformers runs a hand-written greedy loop over its own KV cache (bf16 like us);
-llama.cpp (`pip install llama-cpp-python`, see the README) runs the same GGUF file in its
-own weight format, through its low-level batch API, one sequence id per stream.
+llama.cpp (`pip install -e '.[peers]'`, see the README) runs the same GGUF file in its
+own weight format (Q4_1 for SmolLM2), through its low-level batch API, one sequence id
+per stream; offline throughput runs its requests one after another, as llama-cpp-python
+serves them. Each --quantization adds a slipstream column with that weight format.
 
-    python benchmarks/compare.py [--model smollm2-135m] [--threads 2] [--quantization int4]
+    python benchmarks/compare.py [--model smollm2-135m] [--threads 2] [--quantization int4 w8a8]
 """
 from __future__ import annotations
 
@@ -33,10 +35,6 @@ BATCHES = (8, 32)
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab, (n, length), generator=g).tolist()
-
-
-def median_of(repeats: int, measure) -> float:
-    return statistics.median(measure(i) for i in range(repeats))
 
 
 # --- slipstream ------------------------------------------------------------------------
@@ -176,7 +174,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    parser.add_argument("--quantization", nargs="*", default=[], choices=["int8", "int4", "w8a8"],
+                        help="also measure slipstream with these weight formats")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=32, help="offline throughput workload size")
@@ -184,27 +183,33 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    llm = LLM(args.model, dtype="bfloat16", quantization=args.quantization, max_num_seqs=max(BATCHES),
-              enable_prefix_caching=False)
-    vocab = llm.engine.model_config.vocab_size
-    peers = [Slipstream(llm)]
+    ours = [_slipstream(args.model, None)] + [_slipstream(args.model, q) for q in args.quantization]
+    path, vocab = ours[0].llm.engine.model_path, ours[0].llm.engine.model_config.vocab_size
+    peers = []
     if "transformers" not in args.skip:
-        peers.append(Transformers(load_reference(llm.engine.model_path, torch.bfloat16)))
+        peers.append(Transformers(load_reference(path, torch.bfloat16)))
     if "llama.cpp" not in args.skip:
-        peers += _llama_cpp(llm.engine.model_path, args)
+        peers += _llama_cpp(path, args)
 
     bandwidth = read_bandwidth()
-    weights = weight_bytes_per_step(llm.engine.runner.model)
-    print(f"model {args.model}, slipstream bf16 weights{' + ' + args.quantization if args.quantization else ''}, "
-          f"{args.threads} threads, median of {args.repeats}; read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    rows = measure(peers, args, vocab)
+    print(f"model {args.model}, bf16, {args.threads} threads, median of {args.repeats} (peers interleaved); "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    rows = measure(ours + peers, args, vocab)
     if "throughput" not in args.skip:
-        rows["offline throughput"] = throughput(peers, args, vocab)
-    report(rows, [p.name for p in peers])
-    roofline = bandwidth / weights
-    ours = rows["decode, 1 stream"]["slipstream"]
-    print(f"single-stream roofline: {bandwidth / 1e9:.1f} GB/s / {weights / 1e6:.0f} MB of weights per step = "
-          f"{roofline:.0f} tok/s; slipstream reaches {ours / roofline:.0%}")
+        rows["offline throughput"] = throughput(ours + peers, args, vocab)
+    report(rows, ours, peers)
+    for peer in ours:
+        weights = weight_bytes_per_step(peer.llm.engine.runner.model)
+        roofline = bandwidth / weights
+        print(f"{peer.name}: single-stream roofline {bandwidth / 1e9:.1f} GB/s / {weights / 1e6:.0f} MB of weights "
+              f"per step = {roofline:.0f} tok/s; reached {rows['decode, 1 stream'][peer.name] / roofline:.0%}")
+
+
+def _slipstream(model: str, quantization: str | None) -> Slipstream:
+    peer = Slipstream(LLM(model, dtype="bfloat16", quantization=quantization, max_num_seqs=max(BATCHES),
+                          enable_prefix_caching=False))
+    peer.name = f"slipstream {quantization}" if quantization else "slipstream"
+    return peer
 
 
 def _llama_cpp(path: str, args) -> list[LlamaCpp]:
@@ -216,16 +221,21 @@ def _llama_cpp(path: str, args) -> list[LlamaCpp]:
 
 
 def measure(peers, args, vocab: int) -> dict[str, dict[str, float]]:
-    rows = {"decode, 1 stream": {}, "prefill, 512 tokens": {}, **{f"decode, batch {b}": {} for b in BATCHES}}
+    workloads = {
+        "decode, 1 stream": lambda peer, i: peer.decode(random_prompts(1, PROMPT_LEN, vocab, i), args.decode_tokens),
+        "prefill, 512 tokens": lambda peer, i: peer.prefill(random_prompts(1, PREFILL_LEN, vocab, 100 + i)[0]),
+        **{f"decode, batch {b}": (lambda peer, i, b=b: peer.decode(random_prompts(b, PROMPT_LEN, vocab, 200 + i),
+                                                                   args.decode_tokens)) for b in BATCHES},
+    }
     for peer in peers:
         peer.decode(random_prompts(1, PROMPT_LEN, vocab, 99), 4)  # warm-up
-        rows["decode, 1 stream"][peer.name] = median_of(
-            args.repeats, lambda i: peer.decode(random_prompts(1, PROMPT_LEN, vocab, i), args.decode_tokens))
-        rows["prefill, 512 tokens"][peer.name] = median_of(
-            args.repeats, lambda i: peer.prefill(random_prompts(1, PREFILL_LEN, vocab, 100 + i)[0]))
-        for b in BATCHES:
-            rows[f"decode, batch {b}"][peer.name] = median_of(
-                args.repeats, lambda i: peer.decode(random_prompts(b, PROMPT_LEN, vocab, 200 + i), args.decode_tokens))
+    rows = {}
+    for row, run in workloads.items():
+        samples = {peer.name: [] for peer in peers}
+        for i in range(args.repeats):
+            for peer in peers:
+                samples[peer.name].append(run(peer, i))
+        rows[row] = {name: statistics.median(values) for name, values in samples.items()}
     return rows
 
 
@@ -243,14 +253,17 @@ def throughput(peers, args, vocab: int) -> dict[str, float]:
     return results
 
 
-def report(rows: dict[str, dict[str, float]], names: list[str]) -> None:
-    others = [n for n in names if n != "slipstream"]
-    header = f"{'tok/s':22s}" + "".join(f"{n:>14s}" for n in names) + "".join(f"{'vs ' + n:>18s}" for n in others)
-    print(header)
+def report(rows: dict[str, dict[str, float]], ours: list, peers: list) -> None:
+    names = [p.name for p in ours + peers]
+    ratios = [(a.name, b.name) for a in ours for b in peers]
+    print(f"{'tok/s':22s}" + "".join(f"{n:>18s}" for n in names))
     for row, figures in rows.items():
-        line = f"{row:22s}" + "".join(f"{figures.get(n, float('nan')):14.1f}" for n in names)
-        line += "".join(f"{figures['slipstream'] / figures[n]:17.2f}x" if n in figures else f"{'-':>18s}" for n in others)
-        print(line)
+        print(f"{row:22s}" + "".join(f"{figures[n]:18.1f}" for n in names))
+    if not ratios:
+        return
+    print(f"\n{'ratio':22s}" + "".join(f"{a + ' / ' + b:>32s}" for a, b in ratios))
+    for row, figures in rows.items():
+        print(f"{row:22s}" + "".join(f"{figures[a] / figures[b]:31.2f}x" for a, b in ratios))
 
 
 if __name__ == "__main__":
