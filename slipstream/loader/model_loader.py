@@ -26,6 +26,9 @@ class LoadedModel:
 
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> LoadedModel:
+    if quantization and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on PyTorch's CPU kernels; "
+                         f"device={device.type!r} is not supported (use device='cpu' or no quantization)")
     path = resolve_model_path(name)
     if path.endswith(".gguf"):
         gguf = GGUFFile(path)

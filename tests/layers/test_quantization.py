@@ -89,6 +89,8 @@ def test_unknown_method_is_a_clear_error():
         quantize_linear_layers(make_linear(), "int3")
     with pytest.raises(ValueError, match=r"quantization='fp4'.*'int8', 'int4', 'w8a8'"):
         LLM("smollm2-135m", quantization="fp4")
+    with pytest.raises(ValueError, match=r"quantization='int8' runs on PyTorch's CPU kernels; device='meta'"):
+        LLM("smollm2-135m", quantization="int8", device="meta")
 
 
 def _dequantized_checkpoint(src: str, dst: str, method: str) -> str:
