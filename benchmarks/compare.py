@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 
 from slipstream import LLM, SamplingParams
+from slipstream.layers.quantization import Int4Linear, Int8Linear, W8A8Linear
 from throughput import load_reference, run_slipstream, run_transformers, workload
 
 PROMPT_LEN = 32
@@ -160,12 +162,22 @@ def _timed(fn) -> float:
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads: every weight but the embedding table (one row is read)."""
-    embedding = model.model.embed_tokens.weight
-    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
-                if t is not embedding and t.dtype != torch.float32)
-    if model.config.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear):
-        total += embedding.numel() * embedding.element_size()  # the tied head reads the table
+    """Bytes of weights a decode step reads: every linear layer in its stored format.
+
+    Embedding rows (one per token) and norms are negligible; a tied LM head is a Linear
+    over the embedding table, so the table is counted once, as the head.
+    """
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            tensors = [m.qweight, m.scales_and_zeros]  # the plain nibbles are only for prefill
+        elif isinstance(m, (Int8Linear, W8A8Linear)):
+            tensors = [m.qweight, m.scale]
+        elif isinstance(m, torch.nn.Linear):
+            tensors = [m.weight]
+        else:
+            continue
+        total += sum(t.numel() * t.element_size() for t in tensors)
     return total
 
 
@@ -236,6 +248,7 @@ def measure(peers, args, vocab: int) -> dict[str, dict[str, float]]:
             for peer in peers:
                 samples[peer.name].append(run(peer, i))
         rows[row] = {name: statistics.median(values) for name, values in samples.items()}
+        print(f"{row}: " + ", ".join(f"{n} {v:.1f}" for n, v in rows[row].items()), file=sys.stderr, flush=True)
     return rows
 
 
