@@ -36,6 +36,16 @@ def check_invariants(engine: LLMEngine) -> None:
         assert seq.block_table == [] and seq.num_computed_tokens == 0
 
 
+def run_shared_prefix_workload(engine: LLMEngine) -> None:
+    """Ten requests over five shared-prefix prompts, checking the invariants after every step."""
+    prompts = [[3 + i % 40 for i in range(n)] for n in (20, 37, 45, 30, 52)]
+    for i, p in enumerate(prompts * 2):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_invariants(engine)
+
+
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
     st.tuples(st.just("step"), st.integers(1, 3)),

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream import LLM, SamplingParams
+from slipstream import LLM
 from slipstream.attention import turboquant
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
-from tests.engine.test_block_accounting import check_invariants
+from tests.engine.test_block_accounting import run_shared_prefix_workload
 
 BLOCK, HEADS, KV_HEADS, DIM, RECENT, SCALE = 4, 4, 2, 64, 6, 0.125
 TABLES = {"a": [3, 7, 1, 9], "b": [5, 2, 8]}
@@ -123,13 +123,7 @@ def _tiny_tq3(tiny_llama, blocks: int, **knobs) -> LLM:
 @pytest.mark.parametrize("recent, sinks", [(8, 0), (8, 3), (0, 20)])
 def test_prefix_caching_and_preemption_invariants_with_16_bit_tokens(tiny_llama, recent, sinks):
     llm = _tiny_tq3(tiny_llama, 8, kv_cache_recent_tokens=recent, kv_cache_sink_tokens=sinks)
-    engine = llm.engine
-    prompts = [[3 + i % 40 for i in range(n)] for n in (20, 37, 45, 30, 52)]  # shared prefixes
-    for i, p in enumerate(prompts * 2):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-        check_invariants(engine)
+    run_shared_prefix_workload(llm.engine)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["num_used_blocks"] == 0
 

@@ -10,7 +10,7 @@ from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.dtype import ALLOWED, parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
-from tests.engine.test_block_accounting import check_invariants
+from tests.engine.test_block_accounting import run_shared_prefix_workload
 
 SMOLLM2_SHAPES = [(3, 64)] * 30  # 30 layers, 3 KV heads of dim 64
 
@@ -80,13 +80,7 @@ def test_more_blocks_fit_the_same_memory_and_dense_layers_knob(tiny_llama):
 def test_prefix_caching_and_preemption_invariants_with_tq3(tiny_llama):
     block_bytes = 16 * KVCache.bytes_per_token_of([(2, 16)] * 2, parse_kv_cache_dtype("tq3", torch.float32))
     llm = LLM(tiny_llama, dtype="float32", kv_cache_dtype="tq3", kv_cache_memory=8 * block_bytes)
-    engine = llm.engine
-    prompts = [[3 + i % 40 for i in range(n)] for n in (20, 37, 45, 30, 52)]  # shared prefixes
-    for i, p in enumerate(prompts * 2):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-        check_invariants(engine)
+    run_shared_prefix_workload(llm.engine)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["num_used_blocks"] == 0
 
