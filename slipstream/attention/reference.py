@@ -21,14 +21,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     out = torch.empty_like(q)
     n = meta.num_decode_tokens
     if n:
-        out[:n] = _decode(q[:n], cache, meta, scale, sliding_window)
+        out[:n] = decode(q[:n], cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], cache, chunk, scale, sliding_window)
+        out[rows] = prefill(q[rows], k[rows], v[rows], cache, chunk, scale, sliding_window)
     return out
 
 
-def _decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
+def decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
             window: int | None) -> torch.Tensor:
     keys, values = cache.gather_batch(meta.decode_block_tables, q.dtype)  # [Hk, B, L, D]
     batch, num_heads, head_dim = q.shape
@@ -44,7 +44,7 @@ def _decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale
     out = torch.matmul(probs, values)  # [Hk, B, G, D]
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
              chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
     if chunk.context_len > chunk.length:
         k, v = cache.gather(chunk.block_table, chunk.context_len, q.dtype)

@@ -1,0 +1,98 @@
+"""Native CPU kernels: small C files compiled on first use by the system C compiler, called via ctypes.
+
+Why C through ctypes rather than a torch extension: a C file that includes no torch headers
+compiles in about a second, so a fresh machine builds its kernels at first use, for its own
+CPU (`-march=native`), with nothing added to the install. Tensors cross the boundary as raw
+pointers; the caller checks dtypes, devices and contiguity. OpenMP in the kernels binds to
+the `libgomp.so.1` that torch has already loaded, so kernels and torch share one thread pool.
+
+Every kernel has a plain-torch twin that stays the reference its tests compare against.
+When no compiler works, or `SLIPSTREAM_NATIVE=0`, `load` returns None and callers take the
+torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("slipstream")
+
+SOURCE_DIR = Path(__file__).parent
+COMPILER = os.environ.get("CC", "cc")
+# fast math without -ffinite-math-only: kernels rely on -inf and expf(-inf) == 0
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+         "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+def enabled() -> bool:
+    return os.environ.get("SLIPSTREAM_NATIVE", "1") != "0"
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled `kernels/<name>.c`, or None when native kernels are off or cannot be built."""
+    return _load(name) if enabled() else None
+
+
+@functools.cache
+def _load(name: str) -> ctypes.CDLL | None:
+    source = SOURCE_DIR / f"{name}.c"
+    target = _cache_dir() / f"{name}-{_fingerprint(source)}.so"
+    if not target.exists():
+        try:
+            _compile(source, target)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            logger.warning("native kernel %s not built (%s); using the torch path", name, str(detail).strip()[:500])
+            return None
+    return ctypes.CDLL(str(target))
+
+
+def _fingerprint(source: Path) -> str:
+    # -march=native code is only valid on the CPU it was built for
+    cpu = platform.machine() + _cpu_model()
+    return hashlib.sha256(source.read_bytes() + " ".join([COMPILER, *FLAGS, cpu]).encode()).hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line for line in lines if line.startswith(("model name", "flags"))), "")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SLIPSTREAM_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
+                                                              "slipstream")
+    path = Path(root) / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _compile(source: Path, target: Path) -> None:
+    # build beside the target and rename: concurrent processes never load a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([COMPILER, *FLAGS, str(source), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+
+def threads() -> int:
+    return torch.get_num_threads()

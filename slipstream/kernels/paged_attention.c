@@ -1,0 +1,98 @@
+// Decode attention over a paged bf16 KV cache: one query token per sequence.
+//
+// Cache layout (kvcache/cache.py): [kv_heads, num_blocks, block_size, head_dim], bf16.
+// Each (sequence, KV head) pair is one task: its G = q_heads / kv_heads query heads walk the
+// sequence's blocks once, with an online softmax (running max and sum, rescaled per block), so
+// every key and value row is read once per step, only up to the sequence's own length, and
+// nothing is gathered or padded. Scores, softmax and the value sum stay in float32.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#define MAX_BLOCK 64
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void attend_one(const uint16_t *q, const uint16_t *k_head, const uint16_t *v_head, const int64_t *table,
+                       int64_t start, int64_t end, uint16_t *out, int group, int dim, int block_size,
+                       float scale) {
+    float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    float s[MAX_GROUP][MAX_BLOCK];
+    for (int g = 0; g < group; g++) {
+        for (int d = 0; d < dim; d++) {
+            qf[g][d] = bf16_to_float(q[g * dim + d]) * scale;
+            acc[g][d] = 0.f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+    }
+    int64_t block_stride = (int64_t)block_size * dim;
+    for (int64_t first = start - start % block_size; first < end; first += block_size) {
+        int64_t block = table[first / block_size];
+        const uint16_t *kb = k_head + block * block_stride, *vb = v_head + block * block_stride;
+        int lo = first < start ? (int)(start - first) : 0;
+        int hi = end - first < block_size ? (int)(end - first) : block_size;
+        for (int g = 0; g < group; g++) {
+            float block_max = m[g];
+            for (int t = lo; t < hi; t++) {
+                const uint16_t *kr = kb + (int64_t)t * dim;
+                float dot = 0.f;
+                for (int d = 0; d < dim; d++) dot += qf[g][d] * bf16_to_float(kr[d]);
+                s[g][t] = dot;
+                block_max = dot > block_max ? dot : block_max;
+            }
+            float correction = expf(m[g] - block_max);
+            m[g] = block_max;
+            l[g] *= correction;
+            for (int d = 0; d < dim; d++) acc[g][d] *= correction;
+            for (int t = lo; t < hi; t++) {
+                float p = expf(s[g][t] - block_max);
+                l[g] += p;
+                const uint16_t *vr = vb + (int64_t)t * dim;
+                for (int d = 0; d < dim; d++) acc[g][d] += p * bf16_to_float(vr[d]);
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int d = 0; d < dim; d++) out[g * dim + d] = float_to_bf16(acc[g][d] * inv);
+    }
+}
+
+// q, out: [batch, q_heads, dim]; block_tables: [batch, max_blocks]; context_lens: [batch].
+// window > 0 limits each query to its last `window` tokens (sliding-window layers).
+// Returns 0, or -1 when a shape exceeds the fixed per-task buffers (caller falls back).
+int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
+                                int batch, int q_heads, int kv_heads, int dim, int64_t num_blocks,
+                                int block_size, int max_blocks, float scale, int64_t window, int threads) {
+    int group = q_heads / kv_heads;
+    if (group > MAX_GROUP || dim > MAX_DIM || block_size > MAX_BLOCK) return -1;
+    int64_t head_stride = num_blocks * block_size * dim;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
+    for (int b = 0; b < batch; b++) {
+        for (int h = 0; h < kv_heads; h++) {
+            int64_t end = context_lens[b];
+            int64_t start = window > 0 && end > window ? end - window : 0;
+            int64_t row = ((int64_t)b * q_heads + (int64_t)h * group) * dim;
+            attend_one(q + row, k_cache + h * head_stride, v_cache + h * head_stride,
+                       block_tables + (int64_t)b * max_blocks, start, end, out + row, group, dim, block_size,
+                       scale);
+        }
+    }
+    return 0;
+}

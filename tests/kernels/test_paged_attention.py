@@ -1,0 +1,74 @@
+"""The native decode-attention kernel against the torch reference, on a real paged layout."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream import kernels
+from slipstream.attention import native, reference
+from slipstream.attention.metadata import AttentionMetadata
+from slipstream.kvcache.cache import LayerKVCache
+
+pytestmark = pytest.mark.skipif(kernels.load("paged_attention") is None, reason="no C compiler for native kernels")
+
+
+def _decode_step(lens: list[int], num_heads: int, kv_heads: int, dim: int = 64, block_size: int = 16):
+    torch.manual_seed(0)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    cache = LayerKVCache(num_blocks, block_size, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+    cache.k.normal_()
+    cache.v.normal_()
+    # blocks handed out shuffled, as after frees and reuse; tables padded with 0
+    order = torch.randperm(num_blocks)
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(lens):
+        count = -(-n // block_size)
+        tables[i, :count] = order[used:used + count]
+        used += count
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(lens),
+                             decode_block_tables=tables, decode_context_lens=torch.tensor(lens), prefills=[])
+    q = torch.randn(len(lens), num_heads, dim, dtype=torch.bfloat16)
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("num_heads,kv_heads", [(9, 3), (4, 1), (4, 4)])  # GQA (SmolLM2), MQA (Gemma 3), MHA
+@pytest.mark.parametrize("window", [None, 20])
+def test_kernel_equals_reference_decode(num_heads, kv_heads, window):
+    q, cache, meta = _decode_step([1, 17, 100, 16, 250], num_heads, kv_heads)
+    ours = torch.empty_like(q)
+    assert native.decode(q, cache, meta, 0.125, window, ours)
+    ref = reference.decode(q, cache, meta, 0.125, window)
+    # the reference rounds scores and probabilities to bf16; the kernel keeps them in fp32
+    exact = reference.decode(q.float(), _float_cache(cache), meta, 0.125, window)
+    assert (ours.float() - exact).abs().max() < 0.02
+    assert (ours.float() - exact).abs().max() <= (ref.float() - exact).abs().max() + 0.01
+
+
+def _float_cache(cache: LayerKVCache) -> LayerKVCache:
+    heads, blocks, block_size, dim = cache.k.shape
+    out = LayerKVCache(blocks, block_size, heads, dim, torch.float32, torch.device("cpu"))
+    out.k.copy_(cache.k)
+    out.v.copy_(cache.v)
+    return out
+
+
+def test_kernel_reads_only_each_sequence_blocks():
+    """A NaN in a block no table points to, or past a sequence's length, must not reach any output."""
+    q, cache, meta = _decode_step([5, 40], 6, 2)
+    used = set(meta.decode_block_tables.flatten().tolist())
+    free = next(b for b in range(cache.k.shape[1]) if b not in used)
+    cache.k[:, free] = float("nan")
+    last = meta.decode_block_tables[0, 0]
+    cache.v[:, last, 5:] = float("nan")  # slots after the 5 tokens of sequence 0
+    out = torch.empty_like(q)
+    assert native.decode(q, cache, meta, 0.125, None, out)
+    assert torch.isfinite(out).all()
+
+
+def test_disabled_native_kernels_fall_back(monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_NATIVE", "0")
+    q, cache, _ = _decode_step([3], 4, 1)
+    assert kernels.load("paged_attention") is None
+    assert not native.supports(q, cache)
