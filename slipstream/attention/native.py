@@ -22,15 +22,9 @@ def supports(q: torch.Tensor, cache) -> bool:
 
 
 def _kernel():
-    lib = kernels.load("paged_attention")
-    if lib is None:
-        return None
-    fn = lib.paged_decode_attention_bf16
-    if fn.argtypes is None:
-        p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, p, p, i32, i32, i32, i32, i64, i32, i32, ctypes.c_float, i64, i32]
-        fn.restype = ctypes.c_int
-    return fn
+    P, I32, I64 = kernels.PTR, kernels.I32, kernels.I64
+    return kernels.function("paged_attention", "paged_decode_attention_bf16", P, P, P, P, P, P, I32, I32, I32, I32,
+                            I64, I32, I32, kernels.F32, I64, I32, restype=ctypes.c_int)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
@@ -54,7 +48,7 @@ def decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale:
     q = q.contiguous()
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     kv_heads, num_blocks, block_size, dim = cache.k.shape
-    status = _kernel()(kernels.ptr(q), kernels.ptr(cache.k), kernels.ptr(cache.v), kernels.ptr(tables),
-                       kernels.ptr(lens), kernels.ptr(out), q.shape[0], q.shape[1], kv_heads, dim, num_blocks,
+    status = _kernel()(q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), tables.data_ptr(),
+                       lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], kv_heads, dim, num_blocks,
                        block_size, tables.shape[1], scale, window or 0, kernels.threads())
     return status == 0

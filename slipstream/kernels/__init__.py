@@ -42,6 +42,22 @@ def load(name: str) -> ctypes.CDLL | None:
     return _load(name) if enabled() else None
 
 
+def function(name: str, symbol: str, *argtypes, restype=None):
+    """`symbol` from kernels/<name>.c with its C signature set (ctypes then takes plain ints
+    for pointers), or None when the kernel is unavailable."""
+    return _function(name, symbol, argtypes, restype) if enabled() else None
+
+
+@functools.cache
+def _function(name: str, symbol: str, argtypes: tuple, restype):
+    lib = _load(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 @functools.cache
 def _load(name: str) -> ctypes.CDLL | None:
     source = SOURCE_DIR / f"{name}.c"
@@ -59,7 +75,8 @@ def _load(name: str) -> ctypes.CDLL | None:
 def _fingerprint(source: Path) -> str:
     # -march=native code is only valid on the CPU it was built for
     cpu = platform.machine() + _cpu_model()
-    return hashlib.sha256(source.read_bytes() + " ".join([COMPILER, *FLAGS, cpu]).encode()).hexdigest()[:16]
+    text = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h")))
+    return hashlib.sha256(text + " ".join([COMPILER, *FLAGS, cpu]).encode()).hexdigest()[:16]
 
 
 def _cpu_model() -> str:
@@ -90,9 +107,13 @@ def _compile(source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+# C argument types, for `function`
+PTR, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
 def threads() -> int:
     return torch.get_num_threads()
+
+
+def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)

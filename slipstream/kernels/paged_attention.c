@@ -6,26 +6,12 @@
 // every key and value row is read once per step, only up to the sequence's own length, and
 // nothing is gathered or padded. Scores, softmax and the value sum stay in float32.
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define MAX_BLOCK 64
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static void attend_one(const uint16_t *q, const uint16_t *k_head, const uint16_t *v_head, const int64_t *table,
                        int64_t start, int64_t end, uint16_t *out, int group, int dim, int block_size,

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from slipstream import kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -27,6 +29,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their own dtype."""
+        kernel = _kernel() if _native(q, k) and self.cos.dtype == torch.float32 else None
+        if kernel is not None:  # in place: q and k are views of a fresh QKV projection
+            kernel(q.data_ptr(), k.data_ptr(), q.stride(0), q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                   self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), kernels.threads())
+            return q, k
         cos, sin = self._lookup(positions)
         qk = _rotate(torch.cat([q, k], dim=1), cos, sin)  # one pass over both: half the ops
         return qk.split([q.shape[1], k.shape[1]], dim=1)
@@ -35,6 +42,17 @@ class RotaryEmbedding(nn.Module):
         if self._step is None or self._step[0] is not positions:
             self._step = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
         return self._step[1], self._step[2]
+
+
+def _native(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """bf16 CPU views sharing one token stride (any, for one token), heads packed within a token."""
+    return (q.dtype == k.dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_grad_enabled()
+            and (q.shape[0] == 1 or q.stride(0) == k.stride(0)) and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1))
+
+
+def _kernel():
+    P, I32, I64 = kernels.PTR, kernels.I32, kernels.I64
+    return kernels.function("rotary", "rotary_bf16", P, P, I64, I64, I32, I32, I32, P, P, P, I32)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
