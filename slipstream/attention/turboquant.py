@@ -1,24 +1,30 @@
 """Attention that reads TurboQuant codes directly, for mixed prefill/decode batches.
 
-Queries are scaled by the cache's fixed per-channel key scale and rotated once per step
-(inside `TurboQuantizer.scores`); key scores come from the codes (centroid gather in the
-rotated space, plus the QJL term for `-qjl` keys); values are accumulated in the rotated
-space and rotated back once per query row by `weighted_sum`. The cache is never
-dequantized to the original space. A prefill chunk with no cached prefix attends to its own
-fresh K/V (as every engine does); every other query reads the codes.
+Queries are scaled by the cache's fixed per-channel key scale and rotated once per step;
+key scores come from the codes (centroid gather in the rotated space, plus the QJL term for
+`-qjl` keys); values are accumulated in the rotated space and rotated back once per query
+row. The cache is never dequantized to the original space. Decode queries on the CPU go
+through the native kernel (kernels/turboquant_attention.c: each sequence reads its own
+blocks' packed codes, no gather or padding); elsewhere, and for prefill chunks, the same
+math runs in torch (`TurboQuantizer.scores` / `weighted_sum`), which the kernel is tested
+against. A prefill chunk with no cached prefix attends to its own fresh K/V (as every
+engine does); every other query reads the codes.
 
 With R recent and S sink tokens (kvcache/recent_window.py), a query at position p reads every
 token t <= p with t > p - R or t < S in 16 bits instead: the step's own tokens from the fresh
 k/v, older ones from the cache's staging blocks where they have one (else from the codes). Each token is scored
 exactly once; code and 16-bit logits share one softmax (the codes hold k - mu, so <q, mu> is
-taken off the 16-bit logits).
+taken off the 16-bit logits). The kernel skips the tokens read in 16 bits and returns each
+row's log-sum-exp, which merges its part of the softmax with theirs.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 
+from slipstream import kernels
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.kvcache.recent_window import RecentWindow
@@ -76,24 +82,88 @@ def _stage(window: RecentWindow, k: torch.Tensor, v: torch.Tensor, meta: Attenti
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
             meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     n, tables, lens = q.shape[0], meta.decode_block_tables, meta.decode_context_lens
-    keys, values = cache.codes_by_head(tables)  # [B, Hk, L, nbytes]
-    qg = q.view(n, keys.shape[1], -1, q.shape[-1])  # [B, Hk, G, D]
-    visible = reference.decode_mask(keys.shape[2], lens, window)  # [B, L]
-    dense = None
-    if cache.window is not None:
-        recent = cache.window
-        qpos = (lens - 1)[:, None]  # [B, 1]
-        pos = torch.arange(keys.shape[2], device=q.device)
-        readable = recent.exists(tables)[:, :keys.shape[2]] | (pos == qpos)
-        visible = visible & ~(readable & _near(pos, qpos, recent, None))
-        staged_k, staged_v, staged_pos, exists = _staged_decode_window(recent, tables, lens)  # [B, Ls, ...]
-        staged_mask = exists & (staged_pos < qpos) & _near(staged_pos, qpos, recent, window)
-        dense_k = torch.cat([staged_k, k[:, None].to(staged_k.dtype)], 1).transpose(1, 2)  # [B, Hk, Ls+1, D]
-        dense_v = torch.cat([staged_v, v[:, None].to(staged_v.dtype)], 1).transpose(1, 2)
-        dense_mask = torch.cat([staged_mask, _near(qpos, qpos, recent, window)], 1)
-        dense = (dense_k, dense_v, dense_mask[:, None, None, :])
-    out = _attend(qg, keys, values, visible[:, None, None, :], cache, scale, dense)
+    qg = q.view(n, cache.k.shape[2], -1, q.shape[-1])  # [B, Hk, G, D]
+    dense = None if cache.window is None else _decode_dense(cache.window, k, v, tables, lens, window)
+    out = _native_decode(qg, cache, tables, lens, scale, window, dense)
+    if out is None:
+        keys, values = cache.codes_by_head(tables)  # [B, Hk, L, nbytes]
+        visible = reference.decode_mask(keys.shape[2], lens, window)  # [B, L]
+        if cache.window is not None:
+            visible = visible & ~_read_dense(cache.window, tables, lens)
+        out = _attend(qg, keys, values, visible[:, None, None, :], cache, scale, dense)
     return out.reshape(n, *q.shape[1:])
+
+
+def _native_decode(q: torch.Tensor, cache: TurboQuantLayerCache, tables: torch.Tensor, lens: torch.Tensor,
+                   scale: float, window: int | None, dense) -> torch.Tensor | None:
+    """The C kernel on the codes, q [B, Hk, G, D] -> [B, Hk, G, D] float32; None where it does not run.
+
+    With a recent/sink window the kernel skips the tokens read in 16 bits and returns each row's
+    log-sum-exp, which merges its softmax with the 16-bit scores here.
+    """
+    kernel = _kernel()
+    if kernel is None or q.device.type != "cpu":
+        return None
+    keys, values = cache.key_quantizer, cache.value_quantizer
+    q = q.float()
+    rotated = (keys.rotate_queries(q * cache.key_scale[:, None, :]) * scale).contiguous()
+    batch, heads, group, _ = q.shape
+    out = torch.empty(batch, heads, group, values.code_width)
+    lse = None if dense is None else torch.empty(batch, heads, group)
+    staged = None if dense is None else cache.window.exists(tables).to(torch.uint8).contiguous()
+    tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
+    (k_ints, k_floats), (v_ints, v_floats) = keys.row_layout, values.row_layout
+    status = kernel(kernels.ptr(rotated), kernels.ptr(cache.k), kernels.ptr(cache.v),
+                    kernels.ptr(k_ints), kernels.ptr(k_floats), len(k_ints), keys.nbytes, keys.code_width,
+                    kernels.ptr(v_ints), kernels.ptr(v_floats), len(v_ints), values.nbytes, values.code_width,
+                    kernels.ptr(tables), kernels.ptr(lens), kernels.ptr(staged), kernels.ptr(out), kernels.ptr(lse),
+                    batch, heads, group, cache.block_size, tables.shape[1], window or 0,
+                    0 if dense is None else cache.window.tokens, 0 if dense is None else cache.window.sinks,
+                    kernels.threads())
+    if status:
+        return None
+    out = values.restore(out)
+    if dense is None:
+        return out
+    dense_k, dense_v, dense_mask = dense
+    dense_scores = (q @ (dense_k.float() - cache.key_mean[:, None, :]).transpose(-1, -2)) * scale
+    dense_scores = dense_scores.masked_fill(~dense_mask, float("-inf"))
+    top = torch.maximum(lse, dense_scores.amax(-1))  # finite: the query's own token is always read in 16 bits
+    code_weight, dense_weights = (lse - top).exp(), (dense_scores - top[..., None]).exp()
+    total = code_weight + dense_weights.sum(-1)
+    return (code_weight[..., None] * out + dense_weights @ dense_v.float()) / total[..., None]
+
+
+def _kernel():
+    lib = kernels.load("turboquant_attention")
+    if lib is None:
+        return None
+    fn = lib.turboquant_decode_attention
+    if fn.argtypes is None:
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+        fn.argtypes = [p, p, p, p, p, i32, i32, i32, p, p, i32, i32, i32, p, p, p, p, p,
+                       i32, i32, i32, i32, i32, i64, i64, i64, i32]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def _decode_dense(recent: RecentWindow, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+                  lens: torch.Tensor, window: int | None):
+    """The 16-bit K/V [B, Hk, Ls+1, D] of each query's window (staged, then its own token) and their mask."""
+    qpos = (lens - 1)[:, None]  # [B, 1]
+    staged_k, staged_v, staged_pos, exists = _staged_decode_window(recent, tables, lens)  # [B, Ls, ...]
+    staged_mask = exists & (staged_pos < qpos) & _near(staged_pos, qpos, recent, window)
+    dense_k = torch.cat([staged_k, k[:, None].to(staged_k.dtype)], 1).transpose(1, 2)
+    dense_v = torch.cat([staged_v, v[:, None].to(staged_v.dtype)], 1).transpose(1, 2)
+    dense_mask = torch.cat([staged_mask, _near(qpos, qpos, recent, window)], 1)
+    return dense_k, dense_v, dense_mask[:, None, None, :]
+
+
+def _read_dense(recent: RecentWindow, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """[B, L] bool: code slots that each decode query reads in 16 bits instead (staged or its own, and near)."""
+    qpos = (lens - 1)[:, None]
+    pos = torch.arange(tables.shape[1] * recent.block_size, device=lens.device)
+    return (recent.exists(tables) | (pos == qpos)) & _near(pos, qpos, recent, None)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,

@@ -19,6 +19,7 @@ sum_t p_t x_hat_t = (p @ z) @ lift: queries and outputs are rotated once, never 
 """
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -125,8 +126,7 @@ class TurboQuantizer:
         M is query heads per KV head times query tokens; after calibrate, *batch must end in
         num_kv_heads. Queries are rotated (and projected by S) once; keys stay as codes.
         """
-        lift = self._lift.on(codes.device).lift
-        q = self._permute(_check_last(q, self.dim, "q").float(), head_axis=-3) @ lift.T
+        q = self.rotate_queries(q)
         scores, start = None, 0
         for unit, scale in self._parts(codes):  # scales applied to (M, T) scores, not (T, width) codes
             width = unit.shape[-1]
@@ -139,10 +139,58 @@ class TurboQuantizer:
 
         Accumulates in code space and maps back to channels once per row of p.
         """
-        lift = self._lift.on(codes.device).lift
         p = p.float()
-        out = _concat([(p * scale.transpose(-1, -2)) @ unit for unit, scale in self._parts(codes)]) @ lift
-        return self._permute(out, head_axis=-3, inverse=True)
+        return self.restore(_concat([(p * scale.transpose(-1, -2)) @ unit for unit, scale in self._parts(codes)]))
+
+    def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """(*batch, M, dim) -> (*batch, M, code_width): <q, x_hat> = <rotate_queries(q), code-space x>."""
+        lift = self._lift.on(q.device).lift
+        return self._permute(_check_last(q, self.dim, "q").float(), head_axis=-3) @ lift.T
+
+    def restore(self, z: torch.Tensor) -> torch.Tensor:
+        """(*batch, M, code_width) code-space sums -> (*batch, M, dim) in channels."""
+        return self._permute(z @ self._lift.on(z.device).lift, head_axis=-3, inverse=True)
+
+    @property
+    def code_width(self) -> int:
+        return self._lift.cpu["lift"].shape[0]
+
+    @functools.cached_property
+    def row_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row's pieces, in code-space order, for native kernels that read rows directly.
+
+        int32 (pieces, 5): byte offset of the codes, bits per code, number of codes, byte
+        offset of the fp16 norm, byte offset of the fp16 gamma (-1: none). float32
+        (pieces, 17): a constant factor, then each code's value (padded to 16). A piece's
+        code-space entries are value[code] * norm * gamma * factor.
+        """
+        ints, floats, start = [], [], 0
+        for group in self._groups:
+            for offset, bits, values, gamma_at, factor in group.pieces():
+                ints.append([start + offset, bits, group.dim, start + group.nbytes - 2,
+                             -1 if gamma_at is None else start + gamma_at])
+                floats.append(torch.cat([torch.tensor([factor]), F.pad(values.float(), (0, 16 - len(values)))]))
+            start += group.nbytes
+        return torch.tensor(ints, dtype=torch.int32), torch.stack(floats).float().contiguous()
+
+    @functools.cached_property
+    def encode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `quantize` computes with, for native encoders: int32 (groups, 4) = (dim, mse bits, QJL,
+        norm correction), and float32 per group, back to back: rotation (dim x dim), centroids and
+        boundaries (mse bits > 0), residual_to_sketch (QJL)."""
+        info, constants = [], []
+        for group in self._groups:
+            c = group._constants.cpu
+            info.append([group.dim, group.mse_bits, int(group.qjl), int(group.norm_correction)])
+            constants += [c["rotation"].flatten()]
+            constants += [c["centroids"], c["boundaries"]] if group.mse_bits else []
+            constants += [c["residual_to_sketch"].flatten()] if group.qjl else []
+        return torch.tensor(info, dtype=torch.int32), torch.cat(constants).float().contiguous()
+
+    @property
+    def channel_order(self) -> torch.Tensor | None:
+        """(num_kv_heads, dim): the channels of each head in group order (outliers first); None before calibrate."""
+        return None if self._permutation is None else self._permutation.cpu["forward"]
 
     def _code_space(self, codes: torch.Tensor) -> torch.Tensor:
         return _concat([unit * scale for unit, scale in self._parts(codes)])
@@ -198,6 +246,8 @@ class _Group:
         self.code_bytes = dim * self.mse_bits // 8
         self.sign_bytes = dim // 8 if self.qjl else 0
         self.nbytes = self.code_bytes + self.sign_bytes + (4 if self.qjl else 2)  # fp16 gamma, norm
+        # E[<Sq, sign(Sr)>] = sqrt(2/pi) * d * <q, r>/|r| for N(0,1) rows of S.
+        self.sign_factor = math.sqrt(math.pi / 2) / dim
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """(..., dim) float32 -> (..., nbytes) uint8."""
@@ -218,6 +268,14 @@ class _Group:
         parts.append(_fp16_to_bytes(norm))
         return torch.cat(parts, -1)
 
+    def pieces(self) -> list[tuple[int, int, torch.Tensor, int | None, float]]:
+        """(byte offset, bits, code values, gamma byte offset or None, factor) per `parts` entry."""
+        c = self._constants.cpu
+        pieces = [(0, self.mse_bits, c["centroids"], None, 1.0)] if self.mse_bits else []
+        if self.qjl:
+            pieces.append((self.code_bytes, 1, torch.tensor([-1.0, 1.0]), self.nbytes - 4, self.sign_factor))
+        return pieces
+
     def parts(self, codes: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(..., nbytes) uint8 -> pieces (unit, scale) whose unit * scale, concatenated, is the
         float32 code-space vector z with x_hat = z @ lift."""
@@ -229,8 +287,7 @@ class _Group:
         if self.qjl:
             signs = lookup(codes[..., start:start + self.sign_bytes], c.sign_table, 1)
             gamma = _bytes_to_fp16(codes[..., -4:-2])
-            # E[<Sq, sign(Sr)>] = sqrt(2/pi) * d * <q, r>/|r| for N(0,1) rows of S.
-            parts.append((signs, norm * gamma * math.sqrt(math.pi / 2) / self.dim))
+            parts.append((signs, norm * gamma * self.sign_factor))
         return parts
 
 

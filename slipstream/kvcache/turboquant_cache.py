@@ -1,7 +1,9 @@
 """Paged storage of TurboQuant codes: per layer, one uint8 row per (token, KV head) for K and V.
 
 Shape per layer: [num_blocks, block_size, num_kv_heads, nbytes]. Writing quantizes the
-step's new K/V (keys after rotary, as they are stored); `codes_by_head` hands attention the
+step's new K/V (keys after rotary, as they are stored), on the CPU with the native encoder
+(kernels/turboquant_encode.c) where it is built, else with `TurboQuantizer.quantize`, the
+reference it is tested against; `codes_by_head` hands attention the
 codes through block tables. `gather`/`gather_batch` dequantize and exist for the reference
 path (dequantize-then-attend) that tests compare the code-reading attention against.
 
@@ -23,8 +25,11 @@ first tokens of each sequence in 16 bits; attention reads them from there, not t
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from slipstream import kernels
 from slipstream.kvcache.recent_window import RecentWindow
 from slipstream.kvcache.turboquant import TurboQuantizer
 
@@ -88,8 +93,9 @@ class TurboQuantLayerCache:
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if not self.calibrated:
             raise RuntimeError("TurboQuantLayerCache.calibrate must run before the first write")
-        self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self.key_quantizer.quantize(self.scaled_keys(k))
-        self.v.view(-1, *self.v.shape[2:])[slot_mapping] = self.value_quantizer.quantize(v)
+        for rows, quantizer, x in ((self.k, self.key_quantizer, self.scaled_keys(k)), (self.v, self.value_quantizer, v)):
+            if not _native_write(rows, quantizer, x, slot_mapping):
+                rows.view(-1, *rows.shape[2:])[slot_mapping] = quantizer.quantize(x)
 
     def gather_codes(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes through block tables [..., n_blocks] -> [..., n_blocks * block_size, H, nbytes]."""
@@ -114,6 +120,31 @@ class TurboQuantLayerCache:
     def _dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
         keys = self.key_quantizer.dequantize(k) * self.key_scale + self.key_mean
         return keys.to(dtype), self.value_quantizer.dequantize(v).to(dtype)
+
+
+def _native_write(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Encode x [T, H, D] into rows [num_blocks, block_size, H, nbytes] at slots with kernels/turboquant_encode.c."""
+    kernel = _encode_kernel()
+    if kernel is None or rows.device.type != "cpu":
+        return False
+    x, slots = x.float().contiguous(), slots.to(torch.int64).contiguous()
+    info, constants = quantizer.encode_tables
+    status = kernel(kernels.ptr(x), kernels.ptr(quantizer.channel_order), kernels.ptr(info), kernels.ptr(constants),
+                    len(info), x.shape[0], x.shape[1], x.shape[2], kernels.ptr(slots), kernels.ptr(rows),
+                    quantizer.nbytes, kernels.threads())
+    return status == 0
+
+
+def _encode_kernel():
+    lib = kernels.load("turboquant_encode")
+    if lib is None:
+        return None
+    fn = lib.turboquant_encode
+    if fn.argtypes is None:
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+        fn.argtypes = [p, p, p, p, i32, i64, i32, i32, p, p, i32, i32]
+        fn.restype = ctypes.c_int
+    return fn
 
 
 def _by_head(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

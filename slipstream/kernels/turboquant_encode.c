@@ -1,0 +1,111 @@
+// TurboQuant encoding of new K/V rows straight into the paged cache: the twin of `_Group.encode` in
+// kvcache/turboquant.py, same math and byte layout. Why native: a decode step writes one token per layer,
+// and the torch encoder is ~30 small ops (rotate, bucketize, pack, fp16 bytes) whose fixed cost per op made
+// the write cost as much as attention itself.
+//
+// Per channel group (one, or two for 2.5/3.5 bits): y = R x; norm = |y|; u = y / norm; codes = bucketize(u)
+// packed LSB first; with norm correction norm /= <u, c[codes]>; for QJL keys, the signs of (u - c[codes]) S^T
+// and gamma = |u - c[codes]|; then fp16 gamma and norm. A row is the groups' bytes, concatenated.
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_DIM 256
+#define MAX_GROUPS 2
+
+typedef struct {
+    int dim, mse_bits, qjl, norm_correction;
+    const float *rotation, *centroids, *boundaries, *sketch;
+} Group;
+
+static void put_half(uint8_t *dst, float x) {  // round to nearest even, as torch's .to(float16); little-endian
+    _Float16 h = (_Float16)x;
+    memcpy(dst, &h, sizeof h);
+}
+
+static uint8_t *pack(const int *codes, int n, int bits, uint8_t *dst) {
+    for (int i = 0; i < n; i += 8) {
+        uint32_t word = 0;
+        for (int j = 0; j < 8; j++) word |= (uint32_t)codes[i + j] << (bits * j);
+        for (int b = 0; b < bits; b++) *dst++ = (uint8_t)(word >> (8 * b));
+    }
+    return dst;
+}
+
+static uint8_t *encode_group(const Group *g, const float *x, uint8_t *dst) {
+    float y[MAX_DIM];
+    int code[MAX_DIM];
+    int d = g->dim, levels = 1 << g->mse_bits;
+    float square = 0.f;
+    for (int i = 0; i < d; i++) {
+        float s = 0.f;
+        for (int j = 0; j < d; j++) s += g->rotation[i * d + j] * x[j];
+        y[i] = s;
+        square += s * s;
+    }
+    float norm = sqrtf(square), divisor = norm > FLT_MIN ? norm : FLT_MIN;
+    for (int i = 0; i < d; i++) y[i] /= divisor;
+    if (g->mse_bits) {
+        float along = 0.f;
+        for (int i = 0; i < d; i++) {
+            int c = 0;  // torch.bucketize: the number of boundaries strictly below
+            while (c < levels - 1 && g->boundaries[c] < y[i]) c++;
+            code[i] = c;
+            along += y[i] * g->centroids[c];
+            y[i] -= g->centroids[c];
+        }
+        dst = pack(code, d, g->mse_bits, dst);
+        if (g->norm_correction) norm /= along > 1e-3f ? along : 1e-3f;
+    }
+    if (g->qjl) {
+        float residual = 0.f;
+        for (int i = 0; i < d; i++) {
+            float s = 0.f;
+            for (int j = 0; j < d; j++) s += y[j] * g->sketch[j * d + i];
+            code[i] = s >= 0.f;
+            residual += y[i] * y[i];
+        }
+        dst = pack(code, d, 1, dst);
+        put_half(dst, sqrtf(residual));
+        dst += 2;
+    }
+    put_half(dst, norm);
+    return dst + 2;
+}
+
+// x: [tokens, heads, dim] float32; order: NULL or [heads, dim] channel order per head (outlier group first).
+// group_info: [count, 4] (dim, mse bits, qjl, norm correction); constants: per group its rotation (dim x dim),
+// centroids, boundaries, and for QJL its residual-to-sketch matrix (dim x dim), back to back.
+// Row (token t, head h) goes to cache + (slots[t] * heads + h) * nbytes. Returns 0, or -1 for unsupported shapes.
+int turboquant_encode(const float *x, const int64_t *order, const int32_t *group_info, const float *constants,
+                      int count, int64_t tokens, int heads, int dim, const int64_t *slots, uint8_t *cache,
+                      int nbytes, int threads) {
+    Group groups[MAX_GROUPS];
+    if (count > MAX_GROUPS || dim > MAX_DIM) return -1;
+    for (int i = 0; i < count; i++) {
+        Group *g = &groups[i];
+        g->dim = group_info[4 * i];
+        g->mse_bits = group_info[4 * i + 1];
+        g->qjl = group_info[4 * i + 2];
+        g->norm_correction = group_info[4 * i + 3];
+        g->rotation = constants;
+        constants += g->dim * g->dim;
+        g->centroids = constants;
+        constants += g->mse_bits ? 1 << g->mse_bits : 0;
+        g->boundaries = constants;
+        constants += g->mse_bits ? (1 << g->mse_bits) - 1 : 0;
+        g->sketch = constants;
+        constants += g->qjl ? g->dim * g->dim : 0;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens * heads > 16)
+    for (int64_t r = 0; r < tokens * heads; r++) {
+        int h = (int)(r % heads);
+        float row[MAX_DIM];
+        const float *src = x + r * dim;
+        for (int j = 0; j < dim; j++) row[j] = order ? src[order[(int64_t)h * dim + j]] : src[j];
+        uint8_t *dst = cache + (slots[r / heads] * heads + h) * nbytes;
+        for (int i = 0, start = 0; i < count; start += groups[i].dim, i++) dst = encode_group(&groups[i], row + start, dst);
+    }
+    return 0;
+}
