@@ -98,34 +98,37 @@ def _native_decode(q: torch.Tensor, cache: TurboQuantLayerCache, tables: torch.T
                    scale: float, window: int | None, dense) -> torch.Tensor | None:
     """The C kernel on the codes, q [B, Hk, G, D] -> [B, Hk, G, D] float32; None where it does not run.
 
-    With a recent/sink window the kernel skips the tokens read in 16 bits and returns each row's
-    log-sum-exp, which merges its softmax with the 16-bit scores here.
+    With a recent/sink window the kernel skips the tokens read in 16 bits and returns each
+    row's log-sum-exp, which merges its softmax with the 16-bit scores here.
     """
     kernel = _kernel()
     if kernel is None or q.device.type != "cpu":
         return None
-    keys, values = cache.key_quantizer, cache.value_quantizer
+    to_keys, back = cache.decode_maps  # [Hk, D, Wk], [Hk, Wv, D]
+    batch, heads, group, dim = q.shape
     q = q.float()
-    rotated = (keys.rotate_queries(q * cache.key_scale[:, None, :]) * scale).contiguous()
-    batch, heads, group, _ = q.shape
-    out = torch.empty(batch, heads, group, values.code_width)
-    lse = None if dense is None else torch.empty(batch, heads, group)
+    rotated = torch.bmm(q.transpose(0, 1).reshape(heads, batch * group, dim), to_keys)  # [Hk, B*G, Wk]
+    out = torch.empty(heads, batch * group, back.shape[1])
+    lse = None if dense is None else torch.empty(heads, batch, group)
     staged = None if dense is None else cache.window.exists(tables).to(torch.uint8).contiguous()
     tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
+    keys, values = cache.key_quantizer, cache.value_quantizer
     (k_ints, k_floats), (v_ints, v_floats) = keys.row_layout, values.row_layout
-    status = kernel(kernels.ptr(rotated), kernels.ptr(cache.k), kernels.ptr(cache.v),
-                    kernels.ptr(k_ints), kernels.ptr(k_floats), len(k_ints), keys.nbytes, keys.code_width,
-                    kernels.ptr(v_ints), kernels.ptr(v_floats), len(v_ints), values.nbytes, values.code_width,
-                    kernels.ptr(tables), kernels.ptr(lens), kernels.ptr(staged), kernels.ptr(out), kernels.ptr(lse),
-                    batch, heads, group, cache.block_size, tables.shape[1], window or 0,
+    status = kernel(rotated.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
+                    k_ints.data_ptr(), k_floats.data_ptr(), len(k_ints), keys.nbytes, rotated.shape[-1],
+                    v_ints.data_ptr(), v_floats.data_ptr(), len(v_ints), values.nbytes, out.shape[-1],
+                    tables.data_ptr(), lens.data_ptr(), None if staged is None else staged.data_ptr(), scale,
+                    out.data_ptr(), None if lse is None else lse.data_ptr(), batch, heads, group,
+                    cache.block_size, tables.shape[1], window or 0,
                     0 if dense is None else cache.window.tokens, 0 if dense is None else cache.window.sinks,
                     kernels.threads())
     if status:
         return None
-    out = values.restore(out)
+    out = torch.bmm(out, back).view(heads, batch, group, dim).transpose(0, 1)
     if dense is None:
         return out
     dense_k, dense_v, dense_mask = dense
+    lse = lse.transpose(0, 1)
     dense_scores = (q @ (dense_k.float() - cache.key_mean[:, None, :]).transpose(-1, -2)) * scale
     dense_scores = dense_scores.masked_fill(~dense_mask, float("-inf"))
     top = torch.maximum(lse, dense_scores.amax(-1))  # finite: the query's own token is always read in 16 bits
@@ -141,7 +144,7 @@ def _kernel():
     fn = lib.turboquant_decode_attention
     if fn.argtypes is None:
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, p, i32, i32, i32, p, p, i32, i32, i32, p, p, p, p, p,
+        fn.argtypes = [p, p, p, p, p, i32, i32, i32, p, p, i32, i32, i32, p, p, p, ctypes.c_float, p, p,
                        i32, i32, i32, i32, i32, i64, i64, i64, i32]
         fn.restype = ctypes.c_int
     return fn

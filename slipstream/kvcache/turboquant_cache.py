@@ -26,6 +26,7 @@ first tokens of each sequence in 16 bits; attention reads them from there, not t
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -85,6 +86,17 @@ class TurboQuantLayerCache:
         self.key_quantizer.calibrate(self.scaled_keys(k))
         self.value_quantizer.calibrate(v)
         self.calibrated = True
+
+    @functools.cached_property
+    def decode_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per KV head, [Hk, D, key code width] taking a query to key code space (sigma folded in) and
+        [Hk, D, D] taking a value code-space sum back to channels: each a single matmul."""
+        if not self.calibrated:
+            raise RuntimeError("decode_maps depend on the calibration; calibrate first")
+        heads, dim = self.key_scale.shape
+        eye = torch.eye(dim, device=self.key_scale.device).expand(heads, dim, dim)
+        return (self.key_quantizer.rotate_queries(eye * self.key_scale[:, None, :]).contiguous(),
+                self.value_quantizer.restore(eye).contiguous())
 
     def scaled_keys(self, k: torch.Tensor) -> torch.Tensor:
         """What is quantized: (k - mu) / sigma, for k [..., Hk, D]."""
