@@ -10,6 +10,7 @@ or kv_cache_sink_tokens, counting the 16-bit staging of that many sequences). Pl
 vs bits.
 
     python benchmarks/kv_quality.py [--tokens 1024] [--out benchmarks/out] [--skip-speed] [--rows NAME ...]
+    python benchmarks/kv_quality.py --speed-only [--rows NAME ...] [--repeats 2] [--threads 1 --clock cpu]
 """
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ DTYPES = ["float32", "bfloat16", "fp8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2", "
 # (dtype, first/last layers, newest tokens, first tokens of each sequence: all kept in 16 bits)
 KNOBS = [("tq3", 2, 0, 0), ("tq4", 0, 0, 4), ("tq3", 0, 0, 4), ("tq3", 0, 64, 0),
          ("tq4", 0, 64, 4), ("tq3", 0, 64, 4), ("tq2.5", 0, 64, 4)]
-SPEED = {"bfloat16", "fp8", "tq4", "tq3", "tq2.5", "tq3 recent 64 sinks 4"}
+SPEED = ["bfloat16", "fp8", "tq4", "tq3", "tq2.5", "tq3 recent 64 sinks 4"]
 SHAPES = [(3, 64)] * 30  # SmolLM2-135M: 30 layers, 3 KV heads of dim 64
 CHUNK = 64
 MEMORY = 256 * 2**20
+clock = time.perf_counter
 
 
 def english_text() -> str:
@@ -91,11 +93,34 @@ def sequences_that_fit(kv_dtype: str, dense_layers: int, recent: int, sinks: int
 
 
 def decode_speed(kv_dtype: str, recent: int, sinks: int, context: int, new_tokens: int = 48) -> float:
+    """Decode tok/s of one sequence after a `context`-token prompt, timed by `clock` from the first token on."""
     llm = LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_recent_tokens=recent,
               kv_cache_sink_tokens=sinks, max_num_seqs=4, max_num_batched_tokens=512)
     prompt = torch.randint(100, 49152, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
-    return 1.0 / out[0].metrics.tpot
+    engine = llm.engine
+    engine.add_request("speed", prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    while not any(out.outputs[0].token_ids for out in engine.step()):  # prefill
+        pass
+    start = clock()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (new_tokens - 1) / (clock() - start)
+
+
+def speed_only(names: list[str], context: int, repeats: int) -> None:
+    """Decode speed alone, the rows alternated `repeats` times, each row's best kept."""
+    specs = {_name(*spec): spec for spec in [(d, 0, 0, 0) for d in DTYPES] + KNOBS}
+    best: dict[str, float] = {}
+    for repeat in range(repeats):
+        for name in names:
+            kv_dtype, _, recent, sinks = specs[name]
+            speed = decode_speed(kv_dtype, recent, sinks, context)
+            best[name] = max(best.get(name, 0.0), speed)
+            print(f"repeat {repeat} {name:22s} {speed:6.2f} tok/s", flush=True)
+    print(f"\n| kv_cache_dtype | decode @{context} tok/s (best of {repeats}) | vs bf16 |\n|---|---|---|")
+    for name in names:
+        rel = f"{best[name] / best['bfloat16']:.2f}x" if "bfloat16" in best else ""
+        print(f"| {name} | {best[name]:.2f} | {rel} |")
 
 
 def main() -> None:
@@ -105,7 +130,19 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/out")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--rows", nargs="*", help="only these rows, by name, in this order")
+    parser.add_argument("--speed-only", action="store_true", help="decode speed of --rows alone, alternated")
+    parser.add_argument("--repeats", type=int, default=2, help="with --speed-only: rounds over the rows")
+    parser.add_argument("--threads", type=int, help="torch (and native kernel) threads")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: process CPU time, for a shared machine (only meaningful with --threads 1)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.speed_only:
+        speed_only(args.rows or SPEED, args.context, args.repeats)
+        return
     specs = {_name(*spec): spec for spec in [(d, 0, 0, 0) for d in DTYPES] + KNOBS}
     _, reference, base_ppl, _ = quality("float32", 0, 0, 0, _ids(args.tokens), None)
     rows = []
