@@ -6,6 +6,7 @@
 // every key and value row is read once per step, only up to the sequence's own length, and
 // nothing is gathered or padded. Scores, softmax and the value sum stay in float32.
 #include <math.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -13,11 +14,27 @@
 #define MAX_DIM 256
 #define MAX_BLOCK 64
 
-static void attend_one(const uint16_t *q, const uint16_t *k_head, const uint16_t *v_head, const int64_t *table,
+// e^x for x <= 0 (softmax exponents after the max is taken off), in a form gcc vectorizes:
+// 2^n * e^r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7).
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    float n = __builtin_roundf(x * 1.44269504f);
+    float r = x - n * 0.693147181f;
+    float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+    int32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += (int32_t)n << 23;
+    memcpy(&p, &bits, sizeof p);
+    return p;
+}
+
+// Each key and value row is widened to float32 once and used by all `group` query heads.
+// Always inlined so that the callers below compile it once per common head size.
+static inline __attribute__((always_inline)) void attend_one(const uint16_t *q, const uint16_t *k_head, const uint16_t *v_head, const int64_t *table,
                        int64_t start, int64_t end, uint16_t *out, int group, int dim, int block_size,
                        float scale) {
     float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
-    float s[MAX_GROUP][MAX_BLOCK];
+    float s[MAX_GROUP][MAX_BLOCK], row[MAX_DIM];
     for (int g = 0; g < group; g++) {
         for (int d = 0; d < dim; d++) {
             qf[g][d] = bf16_to_float(q[g * dim + d]) * scale;
@@ -32,24 +49,32 @@ static void attend_one(const uint16_t *q, const uint16_t *k_head, const uint16_t
         const uint16_t *kb = k_head + block * block_stride, *vb = v_head + block * block_stride;
         int lo = first < start ? (int)(start - first) : 0;
         int hi = end - first < block_size ? (int)(end - first) : block_size;
+        for (int t = lo; t < hi; t++) {
+            for (int d = 0; d < dim; d++) row[d] = bf16_to_float(kb[(int64_t)t * dim + d]);
+            for (int g = 0; g < group; g++) {
+                float dot = 0.f;
+                for (int d = 0; d < dim; d++) dot += qf[g][d] * row[d];
+                s[g][t] = dot;
+            }
+        }
         for (int g = 0; g < group; g++) {
             float block_max = m[g];
-            for (int t = lo; t < hi; t++) {
-                const uint16_t *kr = kb + (int64_t)t * dim;
-                float dot = 0.f;
-                for (int d = 0; d < dim; d++) dot += qf[g][d] * bf16_to_float(kr[d]);
-                s[g][t] = dot;
-                block_max = dot > block_max ? dot : block_max;
-            }
-            float correction = expf(m[g] - block_max);
+            for (int t = lo; t < hi; t++) block_max = s[g][t] > block_max ? s[g][t] : block_max;
+            float correction = l[g] > 0.f ? exp_nonpositive(m[g] - block_max) : 0.f;
             m[g] = block_max;
-            l[g] *= correction;
-            for (int d = 0; d < dim; d++) acc[g][d] *= correction;
+            float sum = 0.f;
             for (int t = lo; t < hi; t++) {
-                float p = expf(s[g][t] - block_max);
-                l[g] += p;
-                const uint16_t *vr = vb + (int64_t)t * dim;
-                for (int d = 0; d < dim; d++) acc[g][d] += p * bf16_to_float(vr[d]);
+                s[g][t] = exp_nonpositive(s[g][t] - block_max);
+                sum += s[g][t];
+            }
+            l[g] = l[g] * correction + sum;
+            for (int d = 0; d < dim; d++) acc[g][d] *= correction;
+        }
+        for (int t = lo; t < hi; t++) {
+            for (int d = 0; d < dim; d++) row[d] = bf16_to_float(vb[(int64_t)t * dim + d]);
+            for (int g = 0; g < group; g++) {
+                float p = s[g][t];
+                for (int d = 0; d < dim; d++) acc[g][d] += p * row[d];
             }
         }
     }
@@ -58,6 +83,7 @@ static void attend_one(const uint16_t *q, const uint16_t *k_head, const uint16_t
         for (int d = 0; d < dim; d++) out[g * dim + d] = float_to_bf16(acc[g][d] * inv);
     }
 }
+
 
 // q, out: [batch, q_heads, dim]; block_tables: [batch, max_blocks]; context_lens: [batch].
 // window > 0 limits each query to its last `window` tokens (sliding-window layers).
@@ -75,9 +101,14 @@ int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, cons
             int64_t end = context_lens[b];
             int64_t start = window > 0 && end > window ? end - window : 0;
             int64_t row = ((int64_t)b * q_heads + (int64_t)h * group) * dim;
-            attend_one(q + row, k_cache + h * head_stride, v_cache + h * head_stride,
-                       block_tables + (int64_t)b * max_blocks, start, end, out + row, group, dim, block_size,
-                       scale);
+            const int64_t *table = block_tables + (int64_t)b * max_blocks;
+            const uint16_t *k = k_cache + h * head_stride, *v = v_cache + h * head_stride;
+            if (dim == 64)  // constant head sizes let the compiler unroll the row loops
+                attend_one(q + row, k, v, table, start, end, out + row, group, 64, block_size, scale);
+            else if (dim == 128)
+                attend_one(q + row, k, v, table, start, end, out + row, group, 128, block_size, scale);
+            else
+                attend_one(q + row, k, v, table, start, end, out + row, group, dim, block_size, scale);
         }
     }
     return 0;
