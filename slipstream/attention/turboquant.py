@@ -104,31 +104,28 @@ def _native_decode(q: torch.Tensor, cache: TurboQuantLayerCache, tables: torch.T
     kernel = _kernel()
     if kernel is None or q.device.type != "cpu":
         return None
-    to_keys, back = cache.decode_maps  # [Hk, D, Wk], [Hk, Wv, D]
+    to_keys, back = cache.decode_maps
     batch, heads, group, dim = q.shape
-    q = q.float()
-    rotated = torch.bmm(q.transpose(0, 1).reshape(heads, batch * group, dim), to_keys)  # [Hk, B*G, Wk]
-    out = torch.empty(heads, batch * group, back.shape[1])
-    lse = None if dense is None else torch.empty(heads, batch, group)
+    q = q.float().contiguous()
+    out = torch.empty_like(q)
+    lse = None if dense is None else torch.empty(batch, heads, group)
     staged = None if dense is None else cache.window.exists(tables).to(torch.uint8).contiguous()
     tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
     keys, values = cache.key_quantizer, cache.value_quantizer
     (k_ints, k_floats), (v_ints, v_floats) = keys.row_layout, values.row_layout
-    status = kernel(rotated.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
-                    k_ints.data_ptr(), k_floats.data_ptr(), len(k_ints), keys.nbytes, rotated.shape[-1],
-                    v_ints.data_ptr(), v_floats.data_ptr(), len(v_ints), values.nbytes, out.shape[-1],
+    status = kernel(q.data_ptr(), to_keys.data_ptr(), back.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
+                    k_ints.data_ptr(), k_floats.data_ptr(), len(k_ints), keys.nbytes, keys.code_width,
+                    v_ints.data_ptr(), v_floats.data_ptr(), len(v_ints), values.nbytes, values.code_width,
                     tables.data_ptr(), lens.data_ptr(), None if staged is None else staged.data_ptr(), scale,
-                    out.data_ptr(), None if lse is None else lse.data_ptr(), batch, heads, group,
+                    out.data_ptr(), None if lse is None else lse.data_ptr(), batch, heads, group, dim,
                     cache.block_size, tables.shape[1], window or 0,
                     0 if dense is None else cache.window.tokens, 0 if dense is None else cache.window.sinks,
                     kernels.threads())
     if status:
         return None
-    out = torch.bmm(out, back).view(heads, batch, group, dim).transpose(0, 1)
     if dense is None:
         return out
     dense_k, dense_v, dense_mask = dense
-    lse = lse.transpose(0, 1)
     dense_scores = (q @ (dense_k.float() - cache.key_mean[:, None, :]).transpose(-1, -2)) * scale
     dense_scores = dense_scores.masked_fill(~dense_mask, float("-inf"))
     top = torch.maximum(lse, dense_scores.amax(-1))  # finite: the query's own token is always read in 16 bits
@@ -144,8 +141,8 @@ def _kernel():
     fn = lib.turboquant_decode_attention
     if fn.argtypes is None:
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, p, i32, i32, i32, p, p, i32, i32, i32, p, p, p, ctypes.c_float, p, p,
-                       i32, i32, i32, i32, i32, i64, i64, i64, i32]
+        fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, p, p, i32, i32, i32, p, p, p, ctypes.c_float, p, p,
+                       i32, i32, i32, i32, i32, i32, i64, i64, i64, i32]
         fn.restype = ctypes.c_int
     return fn
 

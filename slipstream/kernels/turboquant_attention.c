@@ -7,8 +7,8 @@
 // score is a sum over pieces of scale * <q piece, value[codes]>, and the output is a weighted sum of code-space
 // value rows that the caller rotates back once per head.
 //
-// As in paged_attention.c, each (sequence, KV head) pair is one task: its G query heads walk the sequence's
-// own blocks once with an online softmax in float32. Each row is decoded once per task into a small float
+// As in paged_attention.c, each (sequence, KV head) pair is one task: it rotates its G query heads into code
+// space, walks the sequence's own blocks once with an online softmax in float32, and rotates the G sums back. Each row is decoded once per task into a small float
 // buffer (8 codes per step: a variable shift and an in-register table permute with AVX2), shared by the G
 // query heads; nothing is gathered, padded or dequantized to the original space.
 #include <math.h>
@@ -295,22 +295,33 @@ static int make_layout(Layout *layout, const int32_t *ints, const float *floats,
     return total == width ? 0 : -1;
 }
 
-// q: [kv_heads, batch, group, k_width] float32 in key code space (rotated by the caller); scores are scaled by
-// `scale`. k_pieces/k_values (and v_): TurboQuantizer.row_layout, k_count pieces; rows of k_bytes / v_bytes.
+// c [m x p] = a [m x n] @ b [n x p], row-major.
+static void matmul(const float *a, const float *b, int m, int n, int p, float *c) {
+    for (int i = 0; i < m; i++) {
+        float *row = c + (int64_t)i * p;
+        memset(row, 0, sizeof(float) * p);
+        for (int k = 0; k < n; k++)
+            for (int j = 0; j < p; j++) row[j] += a[(int64_t)i * n + k] * b[(int64_t)k * p + j];
+    }
+}
+
+// q, out: [batch, kv_heads, group, dim] float32. to_keys: [kv_heads, dim, k_width] maps a query into key code
+// space (rotation, QJL projection, key scale), back: [kv_heads, v_width, dim] maps value code space back to
+// channels (TurboQuantLayerCache.decode_maps); scores are scaled by `scale`.
+// k_pieces/k_values (and v_): TurboQuantizer.row_layout, k_count pieces; rows of k_bytes / v_bytes.
 // block_tables: [batch, max_blocks]; context_lens: [batch].
-// out: [kv_heads, batch, group, v_width] float32, normalised, in value code space.
 // window > 0 limits each query to its last `window` tokens (sliding-window layers).
 // staged: NULL, or [batch, max_blocks * block_size] flags of tokens with a 16-bit copy; then tokens that the
-// caller reads in 16 bits are skipped (see read_dense), and lse [kv_heads, batch, group] receives each row's
+// caller reads in 16 bits are skipped (see read_dense), and lse [batch, kv_heads, group] receives each row's
 // log-sum-exp of scores (-inf if none) so that the caller can merge in its 16-bit tokens.
 // Returns 0, or -1 when a shape or layout is beyond this kernel (caller falls back).
-int turboquant_decode_attention(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
-                                const int32_t *k_pieces, const float *k_values, int k_count, int k_bytes,
-                                int k_width, const int32_t *v_pieces, const float *v_values, int v_count,
-                                int v_bytes, int v_width, const int64_t *block_tables, const int64_t *context_lens,
-                                const uint8_t *staged, float scale, float *out, float *lse, int batch, int kv_heads,
-                                int group, int block_size, int max_blocks, int64_t window, int64_t recent,
-                                int64_t sinks, int threads) {
+int turboquant_decode_attention(const float *q, const float *to_keys, const float *back, const uint8_t *k_cache,
+                                const uint8_t *v_cache, const int32_t *k_pieces, const float *k_values, int k_count,
+                                int k_bytes, int k_width, const int32_t *v_pieces, const float *v_values,
+                                int v_count, int v_bytes, int v_width, const int64_t *block_tables,
+                                const int64_t *context_lens, const uint8_t *staged, float scale, float *out,
+                                float *lse, int batch, int kv_heads, int group, int dim, int block_size,
+                                int max_blocks, int64_t window, int64_t recent, int64_t sinks, int threads) {
     Layout kl, vl;
     if (make_layout(&kl, k_pieces, k_values, k_count, k_width) || make_layout(&vl, v_pieces, v_values, v_count, v_width))
         return -1;
@@ -318,16 +329,19 @@ int turboquant_decode_attention(const float *q, const uint8_t *k_cache, const ui
     AttendFn *const specialised[] = {attend_group, attend_1, attend_2, attend_3, attend_4};
     AttendFn *attend = specialised[group <= 4 ? group : 0];
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
-    for (int h = 0; h < kv_heads; h++) {
-        for (int b = 0; b < batch; b++) {
+    for (int b = 0; b < batch; b++) {
+        for (int h = 0; h < kv_heads; h++) {
+            float rotated[MAX_GROUP * MAX_WIDTH], sums[MAX_GROUP * MAX_WIDTH / 2];
             int64_t end = context_lens[b];
             int64_t start = window > 0 && end > window ? end - window : 0;
-            int64_t row = (int64_t)h * batch + b;
-            attend(q + row * group * k_width, k_cache + (int64_t)h * k_bytes, v_cache + (int64_t)h * v_bytes, &kl,
-                   &vl, block_tables + (int64_t)b * max_blocks,
+            int64_t row = (int64_t)b * kv_heads + h;
+            matmul(q + row * group * dim, to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated);
+            attend(rotated, k_cache + (int64_t)h * k_bytes, v_cache + (int64_t)h * v_bytes, &kl, &vl,
+                   block_tables + (int64_t)b * max_blocks,
                    staged ? staged + (int64_t)b * max_blocks * block_size : NULL, start, end, recent, sinks, scale,
-                   out + row * group * v_width, lse ? lse + row * group : NULL, group, block_size,
-                   (int64_t)kv_heads * k_bytes, (int64_t)kv_heads * v_bytes);
+                   sums, lse ? lse + row * group : NULL, group, block_size, (int64_t)kv_heads * k_bytes,
+                   (int64_t)kv_heads * v_bytes);
+            matmul(sums, back + (int64_t)h * v_width * dim, group, v_width, dim, out + row * group * dim);
         }
     }
     return 0;

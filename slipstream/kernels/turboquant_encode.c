@@ -74,11 +74,12 @@ static uint8_t *encode_group(const Group *g, const float *x, uint8_t *dst) {
     return dst + 2;
 }
 
-// x: [tokens, heads, dim] float32; order: NULL or [heads, dim] channel order per head (outlier group first).
+// x: [tokens, heads, dim] float32, quantized as (x - mean) / scale where mean and scale ([heads, dim]) are given
+// (keys: TurboQuantLayerCache.scaled_keys); order: NULL or [heads, dim] channel order per head (outlier group first).
 // group_info: [count, 4] (dim, mse bits, qjl, norm correction); constants: per group its rotation (dim x dim),
 // centroids, boundaries, and for QJL its residual-to-sketch matrix (dim x dim), back to back.
 // Row (token t, head h) goes to cache + (slots[t] * heads + h) * nbytes. Returns 0, or -1 for unsupported shapes.
-int turboquant_encode(const float *x, const int64_t *order, const int32_t *group_info, const float *constants,
+int turboquant_encode(const float *x, const float *mean, const float *scale, const int64_t *order, const int32_t *group_info, const float *constants,
                       int count, int64_t tokens, int heads, int dim, const int64_t *slots, uint8_t *cache,
                       int nbytes, int threads) {
     Group groups[MAX_GROUPS];
@@ -101,8 +102,12 @@ int turboquant_encode(const float *x, const int64_t *order, const int32_t *group
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens * heads > 16)
     for (int64_t r = 0; r < tokens * heads; r++) {
         int h = (int)(r % heads);
-        float row[MAX_DIM];
+        float scaled[MAX_DIM], row[MAX_DIM];
         const float *src = x + r * dim;
+        if (mean) {
+            for (int j = 0; j < dim; j++) scaled[j] = (src[j] - mean[h * dim + j]) / scale[h * dim + j];
+            src = scaled;
+        }
         for (int j = 0; j < dim; j++) row[j] = order ? src[order[(int64_t)h * dim + j]] : src[j];
         uint8_t *dst = cache + (slots[r / heads] * heads + h) * nbytes;
         for (int i = 0, start = 0; i < count; start += groups[i].dim, i++) dst = encode_group(&groups[i], row + start, dst);

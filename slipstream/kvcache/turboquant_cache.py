@@ -105,9 +105,10 @@ class TurboQuantLayerCache:
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if not self.calibrated:
             raise RuntimeError("TurboQuantLayerCache.calibrate must run before the first write")
-        for rows, quantizer, x in ((self.k, self.key_quantizer, self.scaled_keys(k)), (self.v, self.value_quantizer, v)):
-            if not _native_write(rows, quantizer, x, slot_mapping):
-                rows.view(-1, *rows.shape[2:])[slot_mapping] = quantizer.quantize(x)
+        if not (_native_write(self.k, self.key_quantizer, k, slot_mapping, self.key_mean, self.key_scale)
+                and _native_write(self.v, self.value_quantizer, v, slot_mapping)):
+            self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self.key_quantizer.quantize(self.scaled_keys(k))
+            self.v.view(-1, *self.v.shape[2:])[slot_mapping] = self.value_quantizer.quantize(v)
 
     def gather_codes(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes through block tables [..., n_blocks] -> [..., n_blocks * block_size, H, nbytes]."""
@@ -134,16 +135,21 @@ class TurboQuantLayerCache:
         return keys.to(dtype), self.value_quantizer.dequantize(v).to(dtype)
 
 
-def _native_write(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots: torch.Tensor) -> bool:
-    """Encode x [T, H, D] into rows [num_blocks, block_size, H, nbytes] at slots with kernels/turboquant_encode.c."""
+def _native_write(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots: torch.Tensor,
+                  mean: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> bool:
+    """Encode x [T, H, D] (as (x - mean) / scale if given) into rows [num_blocks, block_size, H, nbytes] at
+    slots with kernels/turboquant_encode.c; False where it does not run."""
     kernel = _encode_kernel()
     if kernel is None or rows.device.type != "cpu":
         return False
     x, slots = x.float().contiguous(), slots.to(torch.int64).contiguous()
     info, constants = quantizer.encode_tables
-    status = kernel(kernels.ptr(x), kernels.ptr(quantizer.channel_order), kernels.ptr(info), kernels.ptr(constants),
-                    len(info), x.shape[0], x.shape[1], x.shape[2], kernels.ptr(slots), kernels.ptr(rows),
-                    quantizer.nbytes, kernels.threads())
+    order = quantizer.channel_order
+    status = kernel(x.data_ptr(), None if mean is None else mean.contiguous().data_ptr(),
+                    None if scale is None else scale.contiguous().data_ptr(),
+                    None if order is None else order.data_ptr(), info.data_ptr(), constants.data_ptr(), len(info),
+                    x.shape[0], x.shape[1], x.shape[2], slots.data_ptr(), rows.data_ptr(), quantizer.nbytes,
+                    kernels.threads())
     return status == 0
 
 
@@ -154,7 +160,7 @@ def _encode_kernel():
     fn = lib.turboquant_encode
     if fn.argtypes is None:
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, i32, i64, i32, i32, p, p, i32, i32]
+        fn.argtypes = [p, p, p, p, p, p, i32, i64, i32, i32, p, p, i32, i32]
         fn.restype = ctypes.c_int
     return fn
 
