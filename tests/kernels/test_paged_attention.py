@@ -7,7 +7,7 @@ import torch
 from slipstream import kernels
 from slipstream.attention import native, reference
 from slipstream.attention.metadata import AttentionMetadata
-from slipstream.kvcache.cache import LayerKVCache
+from slipstream.kvcache.cache import LayerKVCache, _write_kernel
 
 pytestmark = pytest.mark.skipif(kernels.load("paged_attention") is None, reason="no C compiler for native kernels")
 
@@ -72,3 +72,21 @@ def test_disabled_native_kernels_fall_back(monkeypatch):
     q, cache, _ = _decode_step([3], 4, 1)
     assert kernels.load("paged_attention") is None
     assert not native.supports(q, cache)
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_cache_write_kernel_stores_qkv_views_by_slot_like_torch(monkeypatch, tokens):
+    torch.manual_seed(0)
+    qkv = torch.randn(tokens, (6 + 2 + 2) * 64).bfloat16()
+    k = qkv[:, 6 * 64:8 * 64].view(tokens, 2, 64)
+    v = qkv[:, 8 * 64:].view(tokens, 2, 64)
+    slots = torch.randperm(5 * 16)[:tokens]
+    caches = []
+    for native_on in ("1", "0"):
+        monkeypatch.setenv("SLIPSTREAM_NATIVE", native_on)
+        cache = LayerKVCache(5, 16, 2, 64, torch.bfloat16, torch.device("cpu"))
+        assert cache._native(k, v) and (_write_kernel() is not None) == (native_on == "1")
+        cache.write(k, v, slots)
+        caches.append(cache)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert caches[0].k.flatten(1, 2)[:, slots].abs().sum() > 0
