@@ -14,8 +14,8 @@ With R recent and S sink tokens (kvcache/recent_window.py), a query at position 
 token t <= p with t > p - R or t < S in 16 bits instead: the step's own tokens from the fresh
 k/v, older ones from the cache's staging blocks where they have one (else from the codes). Each token is scored
 exactly once; code and 16-bit logits share one softmax (the codes hold k - mu, so <q, mu> is
-taken off the 16-bit logits). The kernel skips the tokens read in 16 bits and returns each
-row's log-sum-exp, which merges its part of the softmax with theirs.
+taken off the 16-bit logits). The native kernel applies the same rule token by token, reading
+staged tokens from the staging blocks and the query's own from the fresh k/v.
 """
 from __future__ import annotations
 
@@ -83,55 +83,48 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuant
             meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     n, tables, lens = q.shape[0], meta.decode_block_tables, meta.decode_context_lens
     qg = q.view(n, cache.k.shape[2], -1, q.shape[-1])  # [B, Hk, G, D]
-    dense = None if cache.window is None else _decode_dense(cache.window, k, v, tables, lens, window)
-    out = _native_decode(qg, cache, tables, lens, scale, window, dense)
+    out = _native_decode(qg, k, v, cache, tables, lens, scale, window)
     if out is None:
         keys, values = cache.codes_by_head(tables)  # [B, Hk, L, nbytes]
         visible = reference.decode_mask(keys.shape[2], lens, window)  # [B, L]
+        dense = None
         if cache.window is not None:
             visible = visible & ~_read_dense(cache.window, tables, lens)
+            dense = _decode_dense(cache.window, k, v, tables, lens, window)
         out = _attend(qg, keys, values, visible[:, None, None, :], cache, scale, dense)
     return out.reshape(n, *q.shape[1:])
 
 
-def _native_decode(q: torch.Tensor, cache: TurboQuantLayerCache, tables: torch.Tensor, lens: torch.Tensor,
-                   scale: float, window: int | None, dense) -> torch.Tensor | None:
-    """The C kernel on the codes, q [B, Hk, G, D] -> [B, Hk, G, D] float32; None where it does not run.
-
-    With a recent/sink window the kernel skips the tokens read in 16 bits and returns each
-    row's log-sum-exp, which merges its softmax with the 16-bit scores here.
-    """
+def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+                   tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor | None:
+    """The C kernel on the codes (and on the 16-bit window's tokens, if any), q [B, Hk, G, D] -> [B, Hk, G, D]
+    float32; None where it does not run."""
     kernel = _kernel()
-    if kernel is None or q.device.type != "cpu":
+    recent = cache.window
+    if kernel is None or q.device.type != "cpu" or (recent is not None and recent.k.dtype not in _DENSE_DTYPES):
         return None
     to_keys, back = cache.decode_maps
     batch, heads, group, dim = q.shape
     q = q.float().contiguous()
     out = torch.empty_like(q)
-    lse = None if dense is None else torch.empty(batch, heads, group)
-    staged = None if dense is None else cache.window.exists(tables).to(torch.uint8).contiguous()
     tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
     keys, values = cache.key_quantizer, cache.value_quantizer
     (k_ints, k_floats), (v_ints, v_floats) = keys.row_layout, values.row_layout
+    window_args = [None] * 5 + [0, 0, 0, None]
+    if recent is not None:
+        k, v = k.to(recent.k.dtype).contiguous(), v.to(recent.v.dtype).contiguous()
+        window_args = [recent.staging_of.data_ptr(), recent.k.data_ptr(), recent.v.data_ptr(), k.data_ptr(),
+                       v.data_ptr(), int(recent.k.dtype == torch.bfloat16), recent.tokens, recent.sinks,
+                       cache.key_mean.contiguous().data_ptr()]
     status = kernel(q.data_ptr(), to_keys.data_ptr(), back.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
                     k_ints.data_ptr(), k_floats.data_ptr(), len(k_ints), keys.nbytes, keys.code_width,
                     v_ints.data_ptr(), v_floats.data_ptr(), len(v_ints), values.nbytes, values.code_width,
-                    tables.data_ptr(), lens.data_ptr(), None if staged is None else staged.data_ptr(), scale,
-                    out.data_ptr(), None if lse is None else lse.data_ptr(), batch, heads, group, dim,
-                    cache.block_size, tables.shape[1], window or 0,
-                    0 if dense is None else cache.window.tokens, 0 if dense is None else cache.window.sinks,
-                    kernels.threads())
-    if status:
-        return None
-    if dense is None:
-        return out
-    dense_k, dense_v, dense_mask = dense
-    dense_scores = (q @ (dense_k.float() - cache.key_mean[:, None, :]).transpose(-1, -2)) * scale
-    dense_scores = dense_scores.masked_fill(~dense_mask, float("-inf"))
-    top = torch.maximum(lse, dense_scores.amax(-1))  # finite: the query's own token is always read in 16 bits
-    code_weight, dense_weights = (lse - top).exp(), (dense_scores - top[..., None]).exp()
-    total = code_weight + dense_weights.sum(-1)
-    return (code_weight[..., None] * out + dense_weights @ dense_v.float()) / total[..., None]
+                    tables.data_ptr(), lens.data_ptr(), scale, out.data_ptr(), batch, heads, group, dim,
+                    cache.block_size, tables.shape[1], window or 0, *window_args, kernels.threads())
+    return out if status == 0 else None
+
+
+_DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the 16-bit window's dtypes the kernel reads
 
 
 def _kernel():
@@ -141,8 +134,8 @@ def _kernel():
     fn = lib.turboquant_decode_attention
     if fn.argtypes is None:
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, p, p, i32, i32, i32, p, p, p, ctypes.c_float, p, p,
-                       i32, i32, i32, i32, i32, i32, i64, i64, i64, i32]
+        fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, p, p, i32, i32, i32, p, p, ctypes.c_float, p,
+                       i32, i32, i32, i32, i32, i32, i64, p, p, p, p, p, i32, i64, i64, p, i32]
         fn.restype = ctypes.c_int
     return fn
 

@@ -125,7 +125,7 @@ typedef struct {
 } Piece;
 
 typedef struct {
-    int count, width;
+    int count, width, bytes;  // pieces, code-space width, bytes per row
     Piece pieces[MAX_PIECES];
 } Layout;
 
@@ -202,83 +202,148 @@ static inline float exp_nonpositive(float x) {
     return x < -87.f ? 0.f : p * two_n;
 }
 
-// Code tokens of one query that are read in 16 bits instead (attention/turboquant.py, recent window):
-// near the query (among the newest `recent` or the first `sinks`) and staged, or the query's own token.
-static inline int read_dense(int64_t t, int64_t query, const uint8_t *staged, int64_t recent, int64_t sinks) {
-    return staged && (t > query - recent || t < sinks) && (staged[t] || t == query);
+typedef struct {
+    Layout keys, values;
+    const uint8_t *k, *v;  // code rows of KV head 0; a head's rows are `heads` rows apart
+    int heads, group, dim, block_size;
+    float scale;
+    // The recent/sink 16-bit window (kvcache/recent_window.py), or staging_of == NULL: per physical block its
+    // staging block or -1, the staged K/V [staging blocks, block_size, heads, dim] and the step's own K/V
+    // [batch, heads, dim], both bf16 or float32; codes hold k - mean, so 16-bit keys are read as k - mean.
+    const int64_t *staging_of;
+    const void *staged_k, *staged_v, *own_k, *own_v;
+    int bf16;
+    int64_t recent, sinks;
+    const float *key_mean;
+} Step;
+
+static inline void load_row(const void *base, int64_t row, int dim, int bf16, float *dst) {
+    if (!bf16) {
+        memcpy(dst, (const float *)base + row * dim, sizeof(float) * dim);
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)base + row * dim;
+    for (int d = 0; d < dim; d++) {
+        uint32_t u = (uint32_t)src[d] << 16;
+        memcpy(dst + d, &u, sizeof(float));
+    }
 }
 
-static inline __attribute__((always_inline)) void attend_one(
-        const float *q, const uint8_t *k_head, const uint8_t *v_head, const Layout *kl, const Layout *vl,
-        const int64_t *table, const uint8_t *staged, int64_t start, int64_t end, int64_t recent, int64_t sinks,
-        float scale, float *out, float *lse, int group, int block_size, int64_t k_stride, int64_t v_stride) {
-    float acc[MAX_GROUP * MAX_WIDTH / 2], m[MAX_GROUP], l[MAX_GROUP];
-    float s[MAX_GROUP][MAX_BLOCK], p[MAX_BLOCK][MAX_GROUP];
+// Whether a query at `query` reads token `t` in 16 bits instead of codes (attention/turboquant.py, _near): among
+// the newest `recent` or the first `sinks`, and staged or the query's own token.
+static inline int read_dense(const Step *st, const int64_t *table, int64_t t, int64_t query) {
+    return st->staging_of && (t > query - st->recent || t < st->sinks) &&
+           (t == query || st->staging_of[table[t / st->block_size]] >= 0);
+}
+
+// One (sequence b, KV head h): q [group][k_width] in key code space, q_channels [group][dim] as given.
+// Writes the normalised sums: in value code space to sums [group][v_width], of 16-bit tokens to dense [group][dim].
+static inline __attribute__((always_inline)) void attend_one(const Step *st, int group, int b, int h,
+                                                             const float *q, const float *q_channels,
+                                                             const int64_t *table, int64_t start, int64_t end,
+                                                             float *sums, float *dense) {
+    const Layout *kl = &st->keys, *vl = &st->values;
+    int width = vl->width, dim = st->dim, bs = st->block_size;
+    int64_t k_stride = (int64_t)st->heads * kl->bytes, v_stride = (int64_t)st->heads * vl->bytes;
+    const uint8_t *k_head = st->k + (int64_t)h * kl->bytes, *v_head = st->v + (int64_t)h * vl->bytes;
+    float acc[MAX_GROUP * MAX_WIDTH / 2], m[MAX_GROUP], l[MAX_GROUP], mean_score[MAX_GROUP];
+    float s[MAX_GROUP][MAX_BLOCK], p[MAX_BLOCK][MAX_GROUP], row[MAX_WIDTH];
     const uint8_t *rows[MAX_BLOCK];
-    memset(acc, 0, sizeof(float) * group * vl->width);
+    const void *dense_v[MAX_BLOCK];
+    int64_t dense_row[MAX_BLOCK];
+    memset(acc, 0, sizeof(float) * group * width);
+    memset(dense, 0, sizeof(float) * group * dim);
     for (int g = 0; g < group; g++) {
         m[g] = -INFINITY;
         l[g] = 0.f;
+        mean_score[g] = 0.f;
+        if (st->staging_of)
+            for (int d = 0; d < dim; d++) mean_score[g] += q_channels[g * dim + d] * st->key_mean[(int64_t)h * dim + d];
     }
-    for (int64_t first = start - start % block_size; first < end; first += block_size) {
-        int64_t slot0 = table[first / block_size] * block_size;
+    for (int64_t first = start - start % bs; first < end; first += bs) {
+        int64_t slot0 = table[first / bs] * bs;
         int lo = first < start ? (int)(start - first) : 0;
-        int hi = end - first < block_size ? (int)(end - first) : block_size;
-        int n = 0;  // tokens read from codes, in rows[] and s[][0..n)
+        int hi = end - first < bs ? (int)(end - first) : bs;
+        int n = 0, nd = 0;  // tokens read from codes (s[][0..n), rows) and in 16 bits (s[][n..n+nd), dense_*)
         for (int t = lo; t < hi; t++) {
-            if (read_dense(first + t, end - 1, staged, recent, sinks)) continue;
+            if (read_dense(st, table, first + t, end - 1)) continue;
             float scores[MAX_GROUP];
-            score_row(kl, k_head + (slot0 + t) * k_stride, q, group, scale, scores);
+            score_row(kl, k_head + (slot0 + t) * k_stride, q, group, st->scale, scores);
             for (int g = 0; g < group; g++) s[g][n] = scores[g];
             rows[n++] = v_head + (slot0 + t) * v_stride;
         }
-        if (!n) continue;
+        for (int t = lo; t < hi; t++) {
+            int64_t pos = first + t;
+            if (!read_dense(st, table, pos, end - 1)) continue;
+            const void *k_base = st->own_k;
+            int64_t index = (int64_t)b * st->heads + h;
+            dense_v[nd] = st->own_v;
+            if (pos != end - 1) {
+                index = (st->staging_of[table[pos / bs]] * bs + t) * st->heads + h;
+                k_base = st->staged_k;
+                dense_v[nd] = st->staged_v;
+            }
+            load_row(k_base, index, dim, st->bf16, row);
+            for (int g = 0; g < group; g++) {
+                float dot = 0.f;
+                for (int d = 0; d < dim; d++) dot += q_channels[g * dim + d] * row[d];
+                s[g][n + nd] = (dot - mean_score[g]) * st->scale;
+            }
+            dense_row[nd++] = index;
+        }
+        if (!n && !nd) continue;
         for (int g = 0; g < group; g++) {
-            float block_max = m[g];
-            for (int r = 0; r < n; r++) block_max = s[g][r] > block_max ? s[g][r] : block_max;
-            float correction = exp_nonpositive(m[g] - block_max), sum = 0.f;
+            float block_max = m[g], sum = 0.f;
+            for (int r = 0; r < n + nd; r++) block_max = s[g][r] > block_max ? s[g][r] : block_max;
+            float correction = exp_nonpositive(m[g] - block_max);
             m[g] = block_max;
-            for (int r = 0; r < n; r++) {
+            for (int r = 0; r < n + nd; r++) {
                 s[g][r] = exp_nonpositive(s[g][r] - block_max);
                 sum += s[g][r];
             }
             l[g] = l[g] * correction + sum;
-            for (int d = 0; d < vl->width; d++) acc[g * vl->width + d] *= correction;
+            for (int d = 0; d < width; d++) acc[g * width + d] *= correction;
+            for (int d = 0; d < dim; d++) dense[g * dim + d] *= correction;
             for (int r = 0; r < n; r++) p[r][g] = s[g][r];
         }
         accumulate_rows(vl, rows, n, p, group, acc);
+        for (int r = 0; r < nd; r++) {
+            load_row(dense_v[r], dense_row[r], dim, st->bf16, row);
+            for (int g = 0; g < group; g++)
+                for (int d = 0; d < dim; d++) dense[g * dim + d] += s[g][n + r] * row[d];
+        }
     }
     for (int g = 0; g < group; g++) {
         float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int d = 0; d < vl->width; d++) out[(int64_t)g * vl->width + d] = acc[g * vl->width + d] * inv;
-        if (lse) lse[g] = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;
+        for (int d = 0; d < width; d++) sums[g * width + d] = acc[g * width + d] * inv;
+        for (int d = 0; d < dim; d++) dense[g * dim + d] *= inv;
     }
 }
 
-typedef void AttendFn(const float *, const uint8_t *, const uint8_t *, const Layout *, const Layout *, const int64_t *,
-                      const uint8_t *, int64_t, int64_t, int64_t, int64_t, float, float *, float *, int, int, int64_t,
-                      int64_t);
+typedef void AttendFn(const Step *, int, int, const float *, const float *, const int64_t *, int64_t, int64_t,
+                      float *, float *);
 
-// One copy per common group size (GQA 3 of SmolLM2, MQA 4 of Gemma 3, ...) with `group` a constant, one generic.
+// One copy per common group size (GQA 3 of SmolLM2, MQA 4 of Gemma 3, ...) with `group` a constant; one generic.
 #define ATTEND_FOR(G)                                                                                             \
-    static void attend_##G(const float *q, const uint8_t *k, const uint8_t *v, const Layout *kl, const Layout *vl, \
-                           const int64_t *table, const uint8_t *staged, int64_t start, int64_t end, int64_t recent, \
-                           int64_t sinks, float scale, float *out, float *lse, int group, int block_size,         \
-                           int64_t k_stride, int64_t v_stride) {                                                   \
-        (void)group;                                                                                               \
-        attend_one(q, k, v, kl, vl, table, staged, start, end, recent, sinks, scale, out, lse, G, block_size,      \
-                   k_stride, v_stride);                                                                            \
+    static void attend_##G(const Step *st, int b, int h, const float *q, const float *q_channels,                  \
+                           const int64_t *table, int64_t start, int64_t end, float *sums, float *dense) {         \
+        attend_one(st, G, b, h, q, q_channels, table, start, end, sums, dense);                                   \
     }
 ATTEND_FOR(1)
 ATTEND_FOR(2)
 ATTEND_FOR(3)
 ATTEND_FOR(4)
-ATTEND_FOR(group)
 
-static int make_layout(Layout *layout, const int32_t *ints, const float *floats, int count, int width) {
+static void attend_group(const Step *st, int b, int h, const float *q, const float *q_channels, const int64_t *table,
+                         int64_t start, int64_t end, float *sums, float *dense) {
+    attend_one(st, st->group, b, h, q, q_channels, table, start, end, sums, dense);
+}
+
+static int make_layout(Layout *layout, const int32_t *ints, const float *floats, int count, int width, int bytes) {
     if (count > MAX_PIECES) return -1;
     layout->count = count;
     layout->width = width;
+    layout->bytes = bytes;
     int total = 0;
     for (int p = 0; p < count; p++) {
         Piece *piece = &layout->pieces[p];
@@ -308,40 +373,42 @@ static void matmul(const float *a, const float *b, int m, int n, int p, float *c
 // q, out: [batch, kv_heads, group, dim] float32. to_keys: [kv_heads, dim, k_width] maps a query into key code
 // space (rotation, QJL projection, key scale), back: [kv_heads, v_width, dim] maps value code space back to
 // channels (TurboQuantLayerCache.decode_maps); scores are scaled by `scale`.
-// k_pieces/k_values (and v_): TurboQuantizer.row_layout, k_count pieces; rows of k_bytes / v_bytes.
+// k_pieces/k_values (and v_): TurboQuantizer.row_layout, k_count pieces; code rows of k_bytes / v_bytes.
 // block_tables: [batch, max_blocks]; context_lens: [batch].
 // window > 0 limits each query to its last `window` tokens (sliding-window layers).
-// staged: NULL, or [batch, max_blocks * block_size] flags of tokens with a 16-bit copy; then tokens that the
-// caller reads in 16 bits are skipped (see read_dense), and lse [batch, kv_heads, group] receives each row's
-// log-sum-exp of scores (-inf if none) so that the caller can merge in its 16-bit tokens.
+// staging_of == NULL, or the 16-bit window: see Step; key_mean [kv_heads, dim] float32.
 // Returns 0, or -1 when a shape or layout is beyond this kernel (caller falls back).
 int turboquant_decode_attention(const float *q, const float *to_keys, const float *back, const uint8_t *k_cache,
                                 const uint8_t *v_cache, const int32_t *k_pieces, const float *k_values, int k_count,
                                 int k_bytes, int k_width, const int32_t *v_pieces, const float *v_values,
                                 int v_count, int v_bytes, int v_width, const int64_t *block_tables,
-                                const int64_t *context_lens, const uint8_t *staged, float scale, float *out,
-                                float *lse, int batch, int kv_heads, int group, int dim, int block_size,
-                                int max_blocks, int64_t window, int64_t recent, int64_t sinks, int threads) {
-    Layout kl, vl;
-    if (make_layout(&kl, k_pieces, k_values, k_count, k_width) || make_layout(&vl, v_pieces, v_values, v_count, v_width))
+                                const int64_t *context_lens, float scale, float *out, int batch, int kv_heads,
+                                int group, int dim, int block_size, int max_blocks, int64_t window,
+                                const int64_t *staging_of, const void *staged_k, const void *staged_v,
+                                const void *own_k, const void *own_v, int bf16, int64_t recent, int64_t sinks,
+                                const float *key_mean, int threads) {
+    Step st = {.k = k_cache, .v = v_cache, .heads = kv_heads, .group = group, .dim = dim, .block_size = block_size,
+               .scale = scale, .staging_of = staging_of, .staged_k = staged_k, .staged_v = staged_v, .own_k = own_k,
+               .own_v = own_v, .bf16 = bf16, .recent = recent, .sinks = sinks, .key_mean = key_mean};
+    if (make_layout(&st.keys, k_pieces, k_values, k_count, k_width, k_bytes) ||
+        make_layout(&st.values, v_pieces, v_values, v_count, v_width, v_bytes))
         return -1;
-    if (group > MAX_GROUP || k_width > MAX_WIDTH || v_width > MAX_WIDTH / 2 || block_size > MAX_BLOCK) return -1;
+    if (group > MAX_GROUP || k_width > MAX_WIDTH || v_width > MAX_WIDTH / 2 || dim > MAX_WIDTH / 2 ||
+        block_size > MAX_BLOCK)
+        return -1;
     AttendFn *const specialised[] = {attend_group, attend_1, attend_2, attend_3, attend_4};
     AttendFn *attend = specialised[group <= 4 ? group : 0];
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
     for (int b = 0; b < batch; b++) {
         for (int h = 0; h < kv_heads; h++) {
-            float rotated[MAX_GROUP * MAX_WIDTH], sums[MAX_GROUP * MAX_WIDTH / 2];
+            float rotated[MAX_GROUP * MAX_WIDTH], sums[MAX_GROUP * MAX_WIDTH / 2], dense[MAX_GROUP * MAX_WIDTH / 2];
             int64_t end = context_lens[b];
             int64_t start = window > 0 && end > window ? end - window : 0;
-            int64_t row = (int64_t)b * kv_heads + h;
-            matmul(q + row * group * dim, to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated);
-            attend(rotated, k_cache + (int64_t)h * k_bytes, v_cache + (int64_t)h * v_bytes, &kl, &vl,
-                   block_tables + (int64_t)b * max_blocks,
-                   staged ? staged + (int64_t)b * max_blocks * block_size : NULL, start, end, recent, sinks, scale,
-                   sums, lse ? lse + row * group : NULL, group, block_size, (int64_t)kv_heads * k_bytes,
-                   (int64_t)kv_heads * v_bytes);
-            matmul(sums, back + (int64_t)h * v_width * dim, group, v_width, dim, out + row * group * dim);
+            int64_t row = ((int64_t)b * kv_heads + h) * group * dim;
+            matmul(q + row, to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated);
+            attend(&st, b, h, rotated, q + row, block_tables + (int64_t)b * max_blocks, start, end, sums, dense);
+            matmul(sums, back + (int64_t)h * v_width * dim, group, v_width, dim, out + row);
+            for (int i = 0; i < group * dim; i++) out[row + i] += dense[i];
         }
     }
     return 0;

@@ -24,14 +24,14 @@ TOL = 1e-5
 
 
 def _cache(kv_dtype: str, kv_heads: int, num_heads: int, num_blocks: int, block_size: int = 16,
-           recent: int = 0, sinks: int = 0) -> TurboQuantLayerCache:
+           recent: int = 0, sinks: int = 0, dense_dtype: torch.dtype = torch.float32) -> TurboQuantLayerCache:
     spec = parse_kv_cache_dtype(kv_dtype, torch.float32)
     cache = TurboQuantLayerCache(num_blocks, block_size, kv_heads, 64, spec.bits, spec.key_mode, seed=3,
                                  device=torch.device("cpu"), recent_tokens=recent, num_staging=num_blocks if recent or sinks else 0,
-                                 dense_dtype=torch.float32, sink_tokens=sinks)
+                                 dense_dtype=dense_dtype, sink_tokens=sinks)
     g = torch.Generator().manual_seed(1)
     channels = torch.linspace(0.2, 5.0, 64)  # uneven channel RMS: a key scale and outlier channels that matter
-    cache.calibrate(torch.randn(256, num_heads, 64, generator=g), torch.randn(256, kv_heads, 64, generator=g) * channels,
+    cache.calibrate(torch.randn(256, num_heads, 64, generator=g), torch.randn(256, kv_heads, 64, generator=g) * channels + 1,
                     torch.randn(256, kv_heads, 64, generator=g))
     return cache
 
@@ -55,6 +55,13 @@ def _decode_step(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, 
     return torch.randn(len(lens), num_heads, 64), cache, meta
 
 
+def _kernel_decode(q, cache, meta, window):
+    out = turboquant._native_decode(q.view(len(q), cache.k.shape[2], -1, 64), None, None, cache,
+                                    meta.decode_block_tables, meta.decode_context_lens, 0.125, window)
+    assert out is not None
+    return out.reshape(q.shape)
+
+
 def _torch_decode(q, cache, meta, window):
     """The torch code path: scores and weighted sums on codes gathered through padded tables."""
     keys, values = cache.codes_by_head(meta.decode_block_tables)
@@ -68,10 +75,7 @@ def _torch_decode(q, cache, meta, window):
 @pytest.mark.parametrize("window", [None, 20])
 def test_kernel_equals_torch_code_path_and_dequantize_then_attend(kv_dtype, num_heads, kv_heads, window):
     q, cache, meta = _decode_step(kv_dtype, [1, 17, 100, 16, 250], num_heads, kv_heads)
-    ours = turboquant._native_decode(q.view(len(q), kv_heads, -1, 64), cache, meta.decode_block_tables,
-                                     meta.decode_context_lens, 0.125, window, None)
-    assert ours is not None
-    ours = ours.reshape(q.shape)
+    ours = _kernel_decode(q, cache, meta, window)
     assert (ours - _torch_decode(q, cache, meta, window)).abs().max() < TOL
     assert (ours - reference.decode(q, cache, meta, 0.125, window)).abs().max() < TOL
 
@@ -79,9 +83,7 @@ def test_kernel_equals_torch_code_path_and_dequantize_then_attend(kv_dtype, num_
 @pytest.mark.parametrize("group", [5, 8])  # the generic, not specialised, group sizes
 def test_kernel_with_other_group_sizes(group):
     q, cache, meta = _decode_step("tq3", [33, 70], group * 2, 2, block_size=8)
-    ours = turboquant._native_decode(q.view(2, 2, group, 64), cache, meta.decode_block_tables,
-                                     meta.decode_context_lens, 0.125, None, None)
-    assert (ours.reshape(q.shape) - _torch_decode(q, cache, meta, None)).abs().max() < TOL
+    assert (_kernel_decode(q, cache, meta, None) - _torch_decode(q, cache, meta, None)).abs().max() < TOL
 
 
 def test_kernel_reads_only_each_sequence_blocks():
@@ -91,24 +93,24 @@ def test_kernel_reads_only_each_sequence_blocks():
     free = next(b for b in range(cache.k.shape[0]) if b not in used)
     cache.k[free] = 0xFF  # every fp16 in these rows reads as NaN
     cache.v[meta.decode_block_tables[0, 0], 5:] = 0xFF  # slots after the 5 tokens of sequence 0
-    out = turboquant._native_decode(q.view(2, 2, 3, 64), cache, meta.decode_block_tables, meta.decode_context_lens,
-                                    0.125, None, None)
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(_kernel_decode(q, cache, meta, None)).all()
 
 
 @pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0)])
-def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(monkeypatch, recent, sinks):
-    """With 16-bit windows the kernel skips the staged tokens and merges its softmax with theirs."""
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 12])
+def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(monkeypatch, recent, sinks, dense_dtype, window):
+    """With 16-bit windows the kernel reads staged tokens (and the query's own) in 16 bits, the rest from codes."""
     g = torch.Generator().manual_seed(2)
     block_size, kv_heads, num_heads, lens = 4, 2, 6, [37, 9]
-    cache = _cache("tq3", kv_heads, num_heads, 32, block_size, recent, sinks)
+    cache = _cache("tq3", kv_heads, num_heads, 32, block_size, recent, sinks, dense_dtype)
     tables = torch.tensor([list(range(0, 10)), list(range(10, 13)) + [0] * 7])
     for seq, n in enumerate(lens):  # a prefill of all but the last token, so staging follows the engine's rules
         table = tables[seq, :-(-n // block_size)]
         slots = table[torch.arange(n - 1) // block_size] * block_size + torch.arange(n - 1) % block_size
         meta = AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, n - 1, n - 1, table)])
         turboquant.paged_attention(torch.randn(n - 1, num_heads, 64, generator=g),
-                                   torch.randn(n - 1, kv_heads, 64, generator=g) * 3,
+                                   torch.randn(n - 1, kv_heads, 64, generator=g) * 3 + 1,
                                    torch.randn(n - 1, kv_heads, 64, generator=g), cache, meta, 0.125)
     slots = torch.tensor([tables[s, (n - 1) // block_size] * block_size + (n - 1) % block_size for s, n in enumerate(lens)])
     meta = AttentionMetadata(slots, 2, tables, torch.tensor(lens), [])
@@ -116,9 +118,9 @@ def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(monkeypatch, r
     cache.write(k, v, slots)
     turboquant._stage(cache.window, k, v, meta)
     assert cache.window.exists(tables[0]).any()
-    ours = turboquant._decode(q, k, v, cache, meta, 0.125, None)
+    ours = turboquant._decode(q, k, v, cache, meta, 0.125, window)
     monkeypatch.setattr(turboquant, "_kernel", lambda: None)
-    assert (ours - turboquant._decode(q, k, v, cache, meta, 0.125, None)).abs().max() < TOL
+    assert (ours - turboquant._decode(q, k, v, cache, meta, 0.125, window)).abs().max() < TOL
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES + ["tq2-qjl"])
@@ -142,6 +144,6 @@ def test_native_encoder_writes_the_bytes_quantize_returns(kv_dtype):
 def test_disabled_native_kernels_fall_back(monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_NATIVE", "0")
     q, cache, meta = _decode_step("tq3", [3], 4, 1)
-    assert turboquant._native_decode(q.view(1, 1, 4, 64), cache, meta.decode_block_tables, meta.decode_context_lens,
-                                     0.125, None, None) is None
+    assert turboquant._native_decode(q.view(1, 1, 4, 64), None, None, cache, meta.decode_block_tables,
+                                     meta.decode_context_lens, 0.125, None) is None
     assert not _native_write(cache.k, cache.key_quantizer, torch.randn(1, 1, 64), torch.tensor([0]))
