@@ -24,25 +24,25 @@ TOL = 1e-5
 
 
 def _cache(kv_dtype: str, kv_heads: int, num_heads: int, num_blocks: int, block_size: int = 16,
-           recent: int = 0, sinks: int = 0, dense_dtype: torch.dtype = torch.float32) -> TurboQuantLayerCache:
+           recent: int = 0, sinks: int = 0, dense_dtype: torch.dtype = torch.float32, dim: int = 64) -> TurboQuantLayerCache:
     spec = parse_kv_cache_dtype(kv_dtype, torch.float32)
-    cache = TurboQuantLayerCache(num_blocks, block_size, kv_heads, 64, spec.bits, spec.key_mode, seed=3,
+    cache = TurboQuantLayerCache(num_blocks, block_size, kv_heads, dim, spec.bits, spec.key_mode, seed=3,
                                  device=torch.device("cpu"), recent_tokens=recent, num_staging=num_blocks if recent or sinks else 0,
                                  dense_dtype=dense_dtype, sink_tokens=sinks)
     g = torch.Generator().manual_seed(1)
-    channels = torch.linspace(0.2, 5.0, 64)  # uneven channel RMS: a key scale and outlier channels that matter
-    cache.calibrate(torch.randn(256, num_heads, 64, generator=g), torch.randn(256, kv_heads, 64, generator=g) * channels + 1,
-                    torch.randn(256, kv_heads, 64, generator=g))
+    channels = torch.linspace(0.2, 5.0, dim)  # uneven channel RMS: a key scale and outlier channels that matter
+    cache.calibrate(torch.randn(256, num_heads, dim, generator=g), torch.randn(256, kv_heads, dim, generator=g) * channels + 1,
+                    torch.randn(256, kv_heads, dim, generator=g))
     return cache
 
 
-def _decode_step(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, block_size: int = 16):
+def _decode_step(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, block_size: int = 16, dim: int = 64):
     """A decode step over a filled cache whose blocks were handed out shuffled; tables padded with 0."""
     torch.manual_seed(0)
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    cache = _cache(kv_dtype, kv_heads, num_heads, num_blocks, block_size)
+    cache = _cache(kv_dtype, kv_heads, num_heads, num_blocks, block_size, dim=dim)
     every_slot = torch.arange(num_blocks * block_size)
-    cache.write(torch.randn(len(every_slot), kv_heads, 64) * 3 + 1, torch.randn(len(every_slot), kv_heads, 64), every_slot)
+    cache.write(torch.randn(len(every_slot), kv_heads, dim) * 3 + 1, torch.randn(len(every_slot), kv_heads, dim), every_slot)
     order = torch.randperm(num_blocks)
     tables = torch.zeros(len(lens), max(-(-n // block_size) for n in lens), dtype=torch.long)
     used = 0
@@ -52,11 +52,11 @@ def _decode_step(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, 
         used += count
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(lens),
                              decode_block_tables=tables, decode_context_lens=torch.tensor(lens), prefills=[])
-    return torch.randn(len(lens), num_heads, 64), cache, meta
+    return torch.randn(len(lens), num_heads, dim), cache, meta
 
 
 def _kernel_decode(q, cache, meta, window):
-    out = turboquant._native_decode(q.view(len(q), cache.k.shape[2], -1, 64), None, None, cache,
+    out = turboquant._native_decode(q.view(*q.shape[:1], cache.k.shape[2], -1, q.shape[-1]), None, None, cache,
                                     meta.decode_block_tables, meta.decode_context_lens, 0.125, window)
     assert out is not None
     return out.reshape(q.shape)
@@ -66,7 +66,7 @@ def _torch_decode(q, cache, meta, window):
     """The torch code path: scores and weighted sums on codes gathered through padded tables."""
     keys, values = cache.codes_by_head(meta.decode_block_tables)
     visible = reference.decode_mask(keys.shape[2], meta.decode_context_lens, window)
-    out = turboquant._attend(q.view(len(q), keys.shape[1], -1, 64), keys, values, visible[:, None, None, :], cache, 0.125)
+    out = turboquant._attend(q.view(len(q), keys.shape[1], -1, q.shape[-1]), keys, values, visible[:, None, None, :], cache, 0.125)
     return out.reshape(q.shape)
 
 
@@ -78,6 +78,14 @@ def test_kernel_equals_torch_code_path_and_dequantize_then_attend(kv_dtype, num_
     ours = _kernel_decode(q, cache, meta, window)
     assert (ours - _torch_decode(q, cache, meta, window)).abs().max() < TOL
     assert (ours - reference.decode(q, cache, meta, 0.125, window)).abs().max() < TOL
+
+
+@pytest.mark.parametrize("kv_dtype", ["tq3", "tq2.5", "tq4-qjl"])
+@pytest.mark.parametrize("dim", [128, 256])  # Gemma 3: head_dim 256, one KV head, sliding-window layers
+def test_kernel_with_larger_heads(kv_dtype, dim):
+    q, cache, meta = _decode_step(kv_dtype, [40, 77], 4, 1, dim=dim)
+    for window in (None, 20):
+        assert (_kernel_decode(q, cache, meta, window) - _torch_decode(q, cache, meta, window)).abs().max() < TOL
 
 
 @pytest.mark.parametrize("group", [5, 8])  # the generic, not specialised, group sizes
