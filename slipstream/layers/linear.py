@@ -6,16 +6,22 @@ Measured on a Zen 5 core (AVX512-BF16, no AMX), torch 2.13, CPU time of one thre
   fp32 for the multiply (1.3-1.75x faster at 128-1024 rows, same fp32 accumulation,
   result returned in bf16);
 - small batches (decode) are bound by reading the weights, where bf16's half-size weights
-  win, and oneDNN reading a weight pre-packed into its blocked layout is 1.2-1.8x faster
-  than `F.linear` on the plain weight at 1-16 rows. `prepack_weights` packs every
-  `Linear` once after loading; the plain weight stays for the upcast path.
+  win. `prepack_weights` packs every `Linear` once after loading for the native GEMM
+  (kernels/gemm_bf16.c, K-pairs for vdpbf16ps): 2-3x oneDNN's packed bf16 kernel at one row
+  (it streams weights at ~21 GB/s per core where oneDNN reaches ~12), 1.35x at 8 rows,
+  1.05-1.1x at 32. Without that kernel (no AVX512-BF16, no compiler) oneDNN's own packed
+  layout is used, 1.2-1.8x faster than `F.linear` on the plain weight at 1-16 rows. The
+  plain weight stays for the upcast path.
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream import kernels
 from slipstream.platform import cpu_has_amx
 
 UPCAST_MIN_ROWS = 128
@@ -33,18 +39,44 @@ def _bf16_without_amx(x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    packed: torch.Tensor | None = None  # oneDNN's blocked copy of `weight`, set by prepack_weights
+    packed: torch.Tensor | None = None  # `weight` in a small-batch GEMM's layout, set by prepack_weights
+    native: bool = False  # packed for kernels/gemm_bf16.c, else for oneDNN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] < UPCAST_MIN_ROWS:
+        if self.packed is None or x.shape[0] >= UPCAST_MIN_ROWS:
+            return linear(x, self.weight, self.bias)
+        if not self.native:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return linear(x, self.weight, self.bias)
+        x = x.contiguous()
+        out = x.new_empty(x.shape[0], self.out_features)
+        _gemm()(x.data_ptr(), self.packed.data_ptr(), out.data_ptr(), x.shape[0], self.out_features,
+                self.in_features, kernels.threads())
+        return out if self.bias is None else out.add_(self.bias)
 
 
 def prepack_weights(model: nn.Module) -> None:
-    """Give every bf16 CPU `Linear` of `model` a oneDNN-packed weight for small batches."""
+    """Give every bf16 CPU `Linear` of `model` a packed weight for small batches."""
     if cpu_has_amx() or not torch.backends.mkldnn.is_available():
         return
     for module in model.modules():
         if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu":
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+            weight = module.weight.detach()
+            module.native = _gemm_available() and module.out_features % 16 == 0 and module.in_features % 2 == 0
+            module.packed = pack_pairs(weight) if module.native else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/2, 16, 2]: each 16 output columns, two K steps at a time (gemm_bf16.c)."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def _gemm_available() -> bool:
+    available = kernels.function("gemm_bf16", "gemm_bf16_available", restype=ctypes.c_int)
+    return available is not None and available() == 1
+
+
+def _gemm():
+    I64 = kernels.I64
+    return kernels.function("gemm_bf16", "gemm_bf16", kernels.PTR, kernels.PTR, kernels.PTR, I64, I64, I64,
+                            kernels.I32, restype=ctypes.c_int)

@@ -1,0 +1,34 @@
+"""The native small-batch bf16 GEMM (Linear after prepack_weights) against float32 products."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slipstream.layers.linear import Linear, _gemm_available, prepack_weights
+
+pytestmark = pytest.mark.skipif(not _gemm_available(), reason="native GEMM needs a compiler and AVX512-BF16")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 32, 127])  # full 6-row tiles and every remainder
+@pytest.mark.parametrize("out_features,bias", [(192, False), (80, True)])  # 80: a last tile of 16 columns
+def test_native_gemm_equals_float32_product(rows, out_features, bias):
+    torch.manual_seed(rows)
+    layer = Linear(96, out_features, bias=bias).bfloat16()
+    prepack_weights(layer)
+    assert layer.native
+    x = torch.randn(rows, 96).bfloat16()
+    expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    # exact bf16 products, float32 sums in another order, one rounding to bf16 (plus one for the bias)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_shapes_the_kernel_cannot_tile_keep_onednn():
+    layer = Linear(96, 72, bias=False).bfloat16()  # 72 output columns: not a multiple of 16
+    prepack_weights(layer)
+    assert not layer.native and layer.packed is not None
+    x = torch.randn(3, 96).bfloat16()
+    torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), rtol=1e-2, atol=1e-2)
