@@ -28,7 +28,7 @@ from slipstream import kernels
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.kvcache.recent_window import RecentWindow
-from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
+from slipstream.kvcache.turboquant_cache import SLACK, TurboQuantLayerCache
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
@@ -101,7 +101,8 @@ def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tur
     float32; None where it does not run."""
     kernel = _kernel()
     recent = cache.window
-    if kernel is None or q.device.type != "cpu" or (recent is not None and recent.k.dtype not in _DENSE_DTYPES):
+    if (kernel is None or q.device.type != "cpu" or not (_has_slack(cache.k) and _has_slack(cache.v))
+            or (recent is not None and recent.k.dtype not in _DENSE_DTYPES)):
         return None
     to_keys, back = cache.decode_maps
     batch, heads, group, dim = q.shape
@@ -125,6 +126,11 @@ def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tur
 
 
 _DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the 16-bit window's dtypes the kernel reads
+
+
+def _has_slack(rows: torch.Tensor) -> bool:
+    """The kernel's 16-byte loads may run past the last row (see turboquant_cache.SLACK)."""
+    return rows.untyped_storage().nbytes() - rows.storage_offset() - rows.numel() >= SLACK
 
 
 def _kernel():

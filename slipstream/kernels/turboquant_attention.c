@@ -30,7 +30,6 @@ typedef __m512 vec;
 typedef struct {
     __m512i window, shift;  // per lane: the 4 bytes that hold its code, and the code's bit offset in them
     __m512 table;           // the 16 values that vpermps indexes by the low 4 bits (repeated for bits < 4)
-    __mmask16 bytes;        // the 2 * bits bytes of 16 codes: loaded exactly, nothing past them
 } Decoder;
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
@@ -50,11 +49,12 @@ static void make_decoder(Decoder *d, int bits, const float *values) {
     d->window = _mm512_loadu_si512(window);
     d->shift = _mm512_loadu_si512(shift);
     d->table = _mm512_loadu_ps(table);
-    d->bytes = (__mmask16)((1u << (2 * bits)) - 1);
 }
+// The 16-byte load reads past the 2 * bits bytes of the 16 codes, into the rest of the row, the next rows, or
+// the slack that TurboQuantLayerCache allocates after the last row (SLACK); those bytes are never used.
 static inline vec decode(const Decoder *d, int bits, const uint8_t *src) {
     (void)bits;
-    __m512i bytes = _mm512_zextsi128_si512(_mm_maskz_loadu_epi8(d->bytes, src));
+    __m512i bytes = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)src));
     __m512i code = _mm512_srlv_epi32(_mm512_permutexvar_epi8(d->window, bytes), d->shift);
     return _mm512_permutexvar_ps(code, d->table);
 }
@@ -84,8 +84,8 @@ static void make_decoder(Decoder *d, int bits, const float *values) {
     d->low = _mm256_loadu_ps(table);
     d->high = _mm256_loadu_ps(table + 8);
 }
-// The 4-byte load reads up to 3 bytes past a piece's 8 codes; every piece is followed in its row by at least as
-// many bytes (fp16 norm, gamma, or the next piece), so it never leaves the row.
+// The 4-byte load reads up to 3 bytes past the `bits` bytes of the 8 codes: within the row, the next rows, or
+// the slack after the last row (SLACK in kvcache/turboquant_cache.py).
 static inline vec decode(const Decoder *d, int bits, const uint8_t *src) {
     uint32_t word;
     memcpy(&word, src, 4);
@@ -144,7 +144,8 @@ static inline float piece_scale(const Piece *piece, const uint8_t *row) {
 // that the per-head accumulators stay in registers.
 static inline __attribute__((always_inline)) void score_row(const Layout *kl, const uint8_t *row, const float *q,
                                                             int group, float scale, float *scores) {
-    for (int g = 0; g < group; g++) scores[g] = 0.f;
+    vec total[MAX_GROUP];  // pieces summed as vectors: one horizontal sum per head, not one per piece
+    for (int g = 0; g < group; g++) total[g] = vzero();
     for (int p = 0, at = 0; p < kl->count; at += kl->pieces[p].count, p++) {
         const Piece *piece = &kl->pieces[p];
         const uint8_t *src = row + piece->offset;
@@ -154,9 +155,10 @@ static inline __attribute__((always_inline)) void score_row(const Layout *kl, co
             vec v = decode(&piece->decoder, piece->bits, src);
             for (int g = 0; g < group; g++) acc[g] = vfma(vload(q + g * kl->width + at + i), v, acc[g]);
         }
-        float s = piece_scale(piece, row) * scale;
-        for (int g = 0; g < group; g++) scores[g] += s * vsum(acc[g]);
+        vec s = vsplat(piece_scale(piece, row) * scale);
+        for (int g = 0; g < group; g++) total[g] = vfma(s, acc[g], total[g]);
     }
+    for (int g = 0; g < group; g++) scores[g] = vsum(total[g]);
 }
 
 // acc[g] += sum over the n rows of weights[r][g] * scale of the row's piece * value row, for `group` heads

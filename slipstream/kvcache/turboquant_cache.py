@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import torch
 
@@ -45,10 +46,8 @@ class TurboQuantLayerCache:
                        if recent_tokens or sink_tokens else None)
         self.key_quantizer = _quantizer(head_dim, bits, key_mode, seed=2 * seed)
         self.value_quantizer = _quantizer(head_dim, bits, "mse", seed=2 * seed + 1)
-        self.k = torch.zeros(num_blocks, block_size, num_kv_heads, self.key_quantizer.nbytes,
-                             dtype=torch.uint8, device=device)
-        self.v = torch.zeros(num_blocks, block_size, num_kv_heads, self.value_quantizer.nbytes,
-                             dtype=torch.uint8, device=device)
+        self.k = _rows((num_blocks, block_size, num_kv_heads, self.key_quantizer.nbytes), device)
+        self.v = _rows((num_blocks, block_size, num_kv_heads, self.value_quantizer.nbytes), device)
         self.key_mean = torch.zeros(num_kv_heads, head_dim, device=device)
         self.key_scale = torch.ones(num_kv_heads, head_dim, device=device)
         self.calibrated = False
@@ -133,6 +132,15 @@ class TurboQuantLayerCache:
     def _dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
         keys = self.key_quantizer.dequantize(k) * self.key_scale + self.key_mean
         return keys.to(dtype), self.value_quantizer.dequantize(v).to(dtype)
+
+
+# Bytes allocated past the last row: the native decode kernel loads 16 bytes per 16 codes, so its loads may
+# run past a row's end, and past the last row into this slack; never read as codes.
+SLACK = 16
+
+
+def _rows(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.zeros(math.prod(shape) + SLACK, dtype=torch.uint8, device=device)[:-SLACK].view(shape)
 
 
 def _native_write(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots: torch.Tensor,

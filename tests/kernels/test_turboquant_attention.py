@@ -155,3 +155,12 @@ def test_disabled_native_kernels_fall_back(monkeypatch):
     assert turboquant._native_decode(q.view(1, 1, 4, 64), None, None, cache, meta.decode_block_tables,
                                      meta.decode_context_lens, 0.125, None) is None
     assert not _native_write(cache.k, cache.key_quantizer, torch.randn(1, 1, 64), torch.tensor([0]))
+
+
+def test_rows_without_slack_take_the_torch_path():
+    """The kernel's 16-byte loads may run past the last row: it only reads rows allocated with SLACK after them."""
+    q, cache, meta = _decode_step("tq3", [20], 4, 1)
+    args = (q.view(1, 1, 4, 64), None, None, cache, meta.decode_block_tables, meta.decode_context_lens, 0.125, None)
+    assert turboquant._native_decode(*args) is not None
+    cache.k = cache.k.clone()
+    assert turboquant._native_decode(*args) is None
