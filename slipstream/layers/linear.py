@@ -7,10 +7,11 @@ Measured on a Zen 5 core (AVX512-BF16, no AMX), torch 2.13, CPU time of one thre
   result returned in bf16);
 - small batches (decode) are bound by reading the weights, where bf16's half-size weights
   win. `prepack_weights` packs every `Linear` once after loading for the native GEMM
-  (kernels/gemm_bf16.c, K-pairs for vdpbf16ps): 2-3x oneDNN's packed bf16 kernel at one row
-  (it streams weights at ~21 GB/s per core where oneDNN reaches ~12), 1.35x at 8 rows,
-  1.05-1.1x at 32. Without that kernel (no AVX512-BF16, no compiler) oneDNN's own packed
-  layout is used, 1.2-1.8x faster than `F.linear` on the plain weight at 1-16 rows. The
+  (kernels/gemm_bf16.c: bf16 weights widened in registers, float32 FMAs), which beats
+  oneDNN's packed bf16 kernel 1.5-2x at 1 row (it streams weights faster), 1.4-1.6x at
+  8-64 rows, and the fp32 upcast below NATIVE_MAX_ROWS rows (measured crossover 256).
+  Without it (no AVX-512, no compiler) oneDNN's own packed layout serves batches below
+  UPCAST_MIN_ROWS, 1.2-1.8x faster than `F.linear` on the plain weight at 1-16 rows. The
   plain weight stays for the upcast path.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from slipstream import kernels
 from slipstream.platform import cpu_has_amx
 
 UPCAST_MIN_ROWS = 128
+NATIVE_MAX_ROWS = 256
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,7 +45,7 @@ class Linear(nn.Linear):
     native: bool = False  # packed for kernels/gemm_bf16.c, else for oneDNN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.shape[0] >= UPCAST_MIN_ROWS:
+        if self.packed is None or x.shape[0] >= (NATIVE_MAX_ROWS if self.native else UPCAST_MIN_ROWS):
             return linear(x, self.weight, self.bias)
         if not self.native:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -61,14 +63,14 @@ def prepack_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu":
             weight = module.weight.detach()
-            module.native = _gemm_available() and module.out_features % 16 == 0 and module.in_features % 2 == 0
-            module.packed = pack_pairs(weight) if module.native else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            module.native = _gemm_available() and module.out_features % 16 == 0
+            module.packed = pack_columns(weight) if module.native else torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/16, K/2, 16, 2]: each 16 output columns, two K steps at a time (gemm_bf16.c)."""
+def pack_columns(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K, 16]: each K step of 16 output columns contiguous (gemm_bf16.c)."""
     n, k = weight.shape
-    return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return weight.view(n // 16, 16, k).transpose(1, 2).contiguous()
 
 
 def _gemm_available() -> bool:
