@@ -33,8 +33,12 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fass
          "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
+# read once: kernels are looked up on every layer call, and tests switch this attribute
+ENABLED = os.environ.get("SLIPSTREAM_NATIVE", "1") != "0"
+
+
 def enabled() -> bool:
-    return os.environ.get("SLIPSTREAM_NATIVE", "1") != "0"
+    return ENABLED
 
 
 def load(name: str) -> ctypes.CDLL | None:
@@ -61,15 +65,15 @@ def _function(name: str, symbol: str, argtypes: tuple, restype):
 @functools.cache
 def _load(name: str) -> ctypes.CDLL | None:
     source = SOURCE_DIR / f"{name}.c"
-    target = _cache_dir() / f"{name}-{_fingerprint(source)}.so"
-    if not target.exists():
-        try:
+    try:
+        target = _cache_dir() / f"{name}-{_fingerprint(source)}.so"
+        if not target.exists():
             _compile(source, target)
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = getattr(e, "stderr", "") or e
-            logger.warning("native kernel %s not built (%s); using the torch path", name, str(detail).strip()[:500])
-            return None
-    return ctypes.CDLL(str(target))
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("native kernel %s not built (%s); using the torch path", name, str(detail).strip()[:500])
+        return None
 
 
 def _fingerprint(source: Path) -> str:
@@ -84,15 +88,19 @@ def _cpu_model() -> str:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.processor()
-    return next((line for line in lines if line.startswith(("model name", "flags"))), "")
+    return "".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SLIPSTREAM_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
-                                                              "slipstream")
-    path = Path(root) / "kernels"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    home = os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")
+    for root in (os.environ.get("SLIPSTREAM_CACHE") or Path(home) / "slipstream", tempfile.gettempdir()):
+        path = Path(root) / "slipstream-kernels"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        except OSError:  # a read-only home: build under the temp dir instead
+            continue
+    raise OSError("no writable directory for compiled kernels")
 
 
 def _compile(source: Path, target: Path) -> None:

@@ -7,7 +7,7 @@ Measured on a Zen 5 core (AVX512-BF16, no AMX), torch 2.13, CPU time of one thre
   result returned in bf16);
 - small batches (decode) are bound by reading the weights, where bf16's half-size weights
   win. `prepack_weights` packs every `Linear` once after loading for the native GEMM
-  (kernels/gemm_bf16.c: bf16 weights widened in registers, float32 FMAs), which beats
+  (kernels/gemm.c: bf16 weights widened in registers, float32 FMAs), which beats
   oneDNN's packed bf16 kernel 1.5-2x at 1 row (it streams weights faster), 1.4-1.6x at
   8-64 rows, and the fp32 upcast below NATIVE_MAX_ROWS rows (measured crossover 256).
   Without it (no AVX-512, no compiler) oneDNN's own packed layout serves batches below
@@ -42,17 +42,14 @@ def _bf16_without_amx(x: torch.Tensor) -> bool:
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # `weight` in a small-batch GEMM's layout, set by prepack_weights
-    native: bool = False  # packed for kernels/gemm_bf16.c, else for oneDNN
+    native: bool = False  # packed for kernels/gemm.c, else for oneDNN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.shape[0] >= (NATIVE_MAX_ROWS if self.native else UPCAST_MIN_ROWS):
             return linear(x, self.weight, self.bias)
         if not self.native:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        x = x.contiguous()
-        out = x.new_empty(x.shape[0], self.out_features)
-        _gemm()(x.data_ptr(), self.packed.data_ptr(), out.data_ptr(), x.shape[0], self.out_features,
-                self.in_features, kernels.threads())
+        out = native_matmul(x, self.packed)
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -63,22 +60,34 @@ def prepack_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu":
             weight = module.weight.detach()
-            module.native = _gemm_available() and module.out_features % 16 == 0
+            module.native = native_gemm_fits(weight)
             module.packed = pack_columns(weight) if module.native else torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
 def pack_columns(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/16, K, 16]: each K step of 16 output columns contiguous (gemm_bf16.c)."""
+    """[N, K] -> [N/16, K, 16]: each K step of 16 output columns contiguous (gemm.c)."""
     n, k = weight.shape
     return weight.view(n // 16, 16, k).transpose(1, 2).contiguous()
 
 
-def _gemm_available() -> bool:
-    available = kernels.function("gemm_bf16", "gemm_bf16_available", restype=ctypes.c_int)
-    return available is not None and available() == 1
+def native_gemm_fits(weight: torch.Tensor) -> bool:
+    """Whether kernels/gemm.c is built for this CPU (AVX-512) and can tile `weight`'s columns."""
+    available = kernels.function("gemm", "gemm_bf16_available", restype=ctypes.c_int)
+    return available is not None and available() == 1 and weight.shape[0] % 16 == 0 and weight.device.type == "cpu"
 
 
-def _gemm():
-    I64 = kernels.I64
-    return kernels.function("gemm_bf16", "gemm_bf16", kernels.PTR, kernels.PTR, kernels.PTR, I64, I64, I64,
-                            kernels.I32, restype=ctypes.c_int)
+def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 times a `pack_columns` weight (bf16, or int8 codes with float32 `scale`
+    per output column), transposed: [M, N] bf16."""
+    x = x.contiguous()
+    blocks, k, _ = packed.shape
+    out = x.new_empty(x.shape[0], blocks * 16)
+    P, I64, I32 = kernels.PTR, kernels.I64, kernels.I32
+    if scale is None:
+        gemm = kernels.function("gemm", "gemm_bf16", P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
+        gemm(x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0], out.shape[1], k, kernels.threads())
+    else:
+        gemm = kernels.function("gemm", "gemm_int8", P, P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
+        gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], out.shape[1], k,
+             kernels.threads())
+    return out

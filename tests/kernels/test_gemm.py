@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.layers.linear import Linear, _gemm_available, prepack_weights
+from slipstream.layers.linear import Linear, native_gemm_fits, prepack_weights
+from slipstream.layers.quantization import Int8Linear
 
-pytestmark = pytest.mark.skipif(not _gemm_available(), reason="native GEMM needs a compiler and AVX512-BF16")
+pytestmark = pytest.mark.skipif(not native_gemm_fits(torch.empty(16, 2)), reason="native GEMM needs a compiler and AVX512-BF16")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 13, 32, 255])  # full 6-row tiles and every remainder
@@ -32,3 +33,19 @@ def test_shapes_the_kernel_cannot_tile_keep_onednn():
     assert not layer.native and layer.packed is not None
     x = torch.randn(3, 96).bfloat16()
     torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 127])
+def test_native_int8_gemm_equals_the_dequantized_product(rows):
+    torch.manual_seed(rows)
+    layer = Int8Linear(Linear(96, 80, bias=False).bfloat16())
+    assert layer.packed is not None
+    x = torch.randn(rows, 96).bfloat16()
+    expected = F.linear(x.float(), layer.dequantized(torch.float32))
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+    # and the same values as PyTorch's own int8 kernel, up to rounding
+    torch_kernel = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scale)
+    torch.testing.assert_close(out.float(), torch_kernel.float(), rtol=2e-2, atol=2e-2)

@@ -68,7 +68,7 @@ def test_kernel_reads_only_each_sequence_blocks():
 
 
 def test_disabled_native_kernels_fall_back(monkeypatch):
-    monkeypatch.setenv("SLIPSTREAM_NATIVE", "0")
+    monkeypatch.setattr(kernels, "ENABLED", False)
     q, cache, _ = _decode_step([3], 4, 1)
     assert kernels.load("paged_attention") is None
     assert not native.supports(q, cache)
@@ -82,10 +82,10 @@ def test_cache_write_kernel_stores_qkv_views_by_slot_like_torch(monkeypatch, tok
     v = qkv[:, 8 * 64:].view(tokens, 2, 64)
     slots = torch.randperm(5 * 16)[:tokens]
     caches = []
-    for native_on in ("1", "0"):
-        monkeypatch.setenv("SLIPSTREAM_NATIVE", native_on)
+    for native_on in (True, False):
+        monkeypatch.setattr(kernels, "ENABLED", native_on)
         cache = LayerKVCache(5, 16, 2, 64, torch.bfloat16, torch.device("cpu"))
-        assert cache._native(k, v) and (_write_kernel() is not None) == (native_on == "1")
+        assert cache._native(k, v) and (_write_kernel() is not None) == native_on
         cache.write(k, v, slots)
         caches.append(cache)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)

@@ -150,7 +150,7 @@ def test_native_encoder_writes_the_bytes_quantize_returns(kv_dtype):
 
 
 def test_disabled_native_kernels_fall_back(monkeypatch):
-    monkeypatch.setenv("SLIPSTREAM_NATIVE", "0")
+    monkeypatch.setattr(kernels, "ENABLED", False)
     q, cache, meta = _decode_step("tq3", [3], 4, 1)
     assert turboquant._native_decode(q.view(1, 1, 4, 64), None, None, cache, meta.decode_block_tables,
                                      meta.decode_context_lens, 0.125, None) is None
