@@ -18,6 +18,7 @@ import argparse
 import inspect
 import math
 import os
+import statistics
 import time
 
 import torch
@@ -108,19 +109,21 @@ def decode_speed(kv_dtype: str, recent: int, sinks: int, context: int, new_token
 
 
 def speed_only(names: list[str], context: int, repeats: int) -> None:
-    """Decode speed alone, the rows alternated `repeats` times, each row's best kept."""
+    """Decode speed alone, the rows alternated `repeats` times; each row's best and median."""
     specs = {_name(*spec): spec for spec in [(d, 0, 0, 0) for d in DTYPES] + KNOBS}
-    best: dict[str, float] = {}
+    speeds: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(repeats):
         for name in names:
             kv_dtype, _, recent, sinks = specs[name]
-            speed = decode_speed(kv_dtype, recent, sinks, context)
-            best[name] = max(best.get(name, 0.0), speed)
-            print(f"repeat {repeat} {name:22s} {speed:6.2f} tok/s", flush=True)
-    print(f"\n| kv_cache_dtype | decode @{context} tok/s (best of {repeats}) | vs bf16 |\n|---|---|---|")
+            speeds[name].append(decode_speed(kv_dtype, recent, sinks, context))
+            print(f"repeat {repeat} {name:22s} {speeds[name][-1]:6.2f} tok/s", flush=True)
+    best = {name: max(s) for name, s in speeds.items()}
+    median = {name: statistics.median(s) for name, s in speeds.items()}
+    print(f"\n| kv_cache_dtype | decode @{context} tok/s, best / median of {repeats} | vs bf16 |\n|---|---|---|")
     for name in names:
-        rel = f"{best[name] / best['bfloat16']:.2f}x" if "bfloat16" in best else ""
-        print(f"| {name} | {best[name]:.2f} | {rel} |")
+        rel = (f"{best[name] / best['bfloat16']:.2f}x / {median[name] / median['bfloat16']:.2f}x"
+               if "bfloat16" in speeds else "")
+        print(f"| {name} | {best[name]:.2f} / {median[name]:.2f} | {rel} |")
 
 
 def main() -> None:
