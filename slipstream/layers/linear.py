@@ -76,18 +76,23 @@ def native_gemm_fits(weight: torch.Tensor) -> bool:
     return available is not None and available() == 1 and weight.shape[0] % 16 == 0 and weight.device.type == "cpu"
 
 
-def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] bf16 times a `pack_columns` weight (bf16, or int8 codes with float32 `scale`
-    per output column), transposed: [M, N] bf16."""
+def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
+                  low: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16. The weight is bf16
+    (`pack_columns`), int8 codes with a float32 `scale` per output column (`pack_columns`),
+    or 4-bit codes with `scale` and `low` per group and column (quantization.pack_int4)."""
     x = x.contiguous()
-    blocks, k, _ = packed.shape
+    blocks, k = packed.shape[0], x.shape[1]
     out = x.new_empty(x.shape[0], blocks * 16)
     P, I64, I32 = kernels.PTR, kernels.I64, kernels.I32
-    if scale is None:
+    args = (out.data_ptr(), x.shape[0], out.shape[1], k, kernels.threads())
+    if packed.dtype == torch.bfloat16:
         gemm = kernels.function("gemm", "gemm_bf16", P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
-        gemm(x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0], out.shape[1], k, kernels.threads())
-    else:
+        gemm(x.data_ptr(), packed.data_ptr(), *args)
+    elif low is None:
         gemm = kernels.function("gemm", "gemm_int8", P, P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
-        gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], out.shape[1], k,
-             kernels.threads())
+        gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
+    else:
+        gemm = kernels.function("gemm", "gemm_int4", P, P, P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
+        gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), low.data_ptr(), *args)
     return out

@@ -114,7 +114,20 @@ class Int4Linear(_WeightOnlyLinear):
         # [groups, out_features, (scale, zero)] as the kernel wants; its zero point sits at q = 8
         self.register_buffer("scales_and_zeros", torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)
                              .contiguous().to(layer.weight.dtype))
+        native = layer.weight.dtype == torch.bfloat16 and native_gemm_fits(q)
+        for name, value in zip(("packed", "packed_scale", "packed_low"), self._pack_native(q) if native else [None] * 3):
+            self.register_buffer(name, value)
         self.bias = layer.bias
+
+    def _pack_native(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes as [N/16, K/2, 16] bytes (two K steps per byte), scale and low [N/16, groups, 16]
+        float32 from the kernel's own rounded values, for kernels/gemm.c."""
+        n, k = q.shape
+        pairs = q.view(n // 16, 16, k // 2, 2)
+        packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
+        scale, zero = self.scales_and_zeros.float().unbind(-1)  # [groups, N]
+        by_block = lambda t: t.view(t.shape[0], n // 16, 16).transpose(0, 1).contiguous()
+        return packed, by_block(scale), by_block(zero - 8 * scale)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """(q - 8) * scale + zero, with the kernel's own (rounded) scales and zeros."""
@@ -124,6 +137,8 @@ class Int4Linear(_WeightOnlyLinear):
         return ((q - 8) * scale[..., None] + zero[..., None]).flatten(1)
 
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dtype == torch.bfloat16:
+            return native_matmul(x, self.packed, self.packed_scale, self.packed_low)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE,
                                                           self.scales_and_zeros.to(x.dtype))
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.layers.linear import Linear, native_gemm_fits, prepack_weights
-from slipstream.layers.quantization import Int8Linear
+from slipstream.layers.quantization import Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.skipif(not native_gemm_fits(torch.empty(16, 2)), reason="native GEMM needs a compiler and AVX512-BF16")
 
@@ -49,3 +49,17 @@ def test_native_int8_gemm_equals_the_dequantized_product(rows):
     # and the same values as PyTorch's own int8 kernel, up to rounding
     torch_kernel = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scale)
     torch.testing.assert_close(out.float(), torch_kernel.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9])  # full 4-row tiles and single rows
+@pytest.mark.parametrize("out_features", [64, 48])  # 48: a last tile of one 16-column block
+def test_native_int4_gemm_equals_the_dequantized_product(rows, out_features):
+    torch.manual_seed(rows)
+    layer = Int4Linear(Linear(128, out_features, bias=False).bfloat16())
+    assert layer.packed is not None
+    x = torch.randn(rows, 128).bfloat16()
+    expected = F.linear(x.float(), layer.dequantized(torch.float32))
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
