@@ -3,14 +3,14 @@
 // Cache layout (kvcache/turboquant_cache.py): [num_blocks, block_size, kv_heads, nbytes] uint8, one row per
 // (token, KV head). A row is a few pieces (kvcache/turboquant.py, TurboQuantizer.row_layout): `count` codes of
 // `bits` bits, LSB first, each standing for value[code] * norm (* gamma * factor for QJL signs), with norm and
-// gamma fp16 in the row. Queries arrive rotated into that code space (and scaled) by the caller, so a key's
-// score is a sum over pieces of scale * <q piece, value[codes]>, and the output is a weighted sum of code-space
-// value rows that the caller rotates back once per head.
+// gamma fp16 in the row. Queries are rotated into that code space, so a key's score is a sum over pieces of
+// scale * <q piece, value[codes]>, and the output is a weighted sum of code-space value rows, rotated back.
 //
 // As in paged_attention.c, each (sequence, KV head) pair is one task: it rotates its G query heads into code
-// space, walks the sequence's own blocks once with an online softmax in float32, and rotates the G sums back. Each row is decoded once per task into a small float
-// buffer (8 codes per step: a variable shift and an in-register table permute with AVX2), shared by the G
-// query heads; nothing is gathered, padded or dequantized to the original space.
+// space, walks the sequence's own blocks once with an online softmax in float32, and rotates the G sums back.
+// Each code row is decoded once per task, VW codes per step (a byte permute, a variable shift and an
+// in-register table lookup), and shared by the G query heads; nothing is gathered, padded or dequantized to
+// the original space. With the recent/sink window, the tokens read in 16 bits join the same softmax.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -92,7 +92,8 @@ static inline vec decode(const Decoder *d, int bits, const uint8_t *src) {
     __m256i code = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), d->shift);
     __m256 v = _mm256_permutevar8x32_ps(d->low, code);
     if (bits == 4)  // bit 3 moved to the sign bit picks the upper half
-        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(d->high, code), _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(d->high, code),
+                             _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
     return v;
 }
 #else
@@ -260,7 +261,8 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
         l[g] = 0.f;
         mean_score[g] = 0.f;
         if (st->staging_of)
-            for (int d = 0; d < dim; d++) mean_score[g] += q_channels[g * dim + d] * st->key_mean[(int64_t)h * dim + d];
+            for (int d = 0; d < dim; d++)
+                mean_score[g] += q_channels[g * dim + d] * st->key_mean[(int64_t)h * dim + d];
     }
     for (int64_t first = start - start % bs; first < end; first += bs) {
         int64_t slot0 = table[first / bs] * bs;

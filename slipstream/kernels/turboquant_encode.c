@@ -79,9 +79,9 @@ static uint8_t *encode_group(const Group *g, const float *x, uint8_t *dst) {
 // group_info: [count, 4] (dim, mse bits, qjl, norm correction); constants: per group its rotation (dim x dim),
 // centroids, boundaries, and for QJL its residual-to-sketch matrix (dim x dim), back to back.
 // Row (token t, head h) goes to cache + (slots[t] * heads + h) * nbytes. Returns 0, or -1 for unsupported shapes.
-int turboquant_encode(const float *x, const float *mean, const float *scale, const int64_t *order, const int32_t *group_info, const float *constants,
-                      int count, int64_t tokens, int heads, int dim, const int64_t *slots, uint8_t *cache,
-                      int nbytes, int threads) {
+int turboquant_encode(const float *x, const float *mean, const float *scale, const int64_t *order,
+                      const int32_t *group_info, const float *constants, int count, int64_t tokens, int heads,
+                      int dim, const int64_t *slots, uint8_t *cache, int nbytes, int threads) {
     Group groups[MAX_GROUPS];
     if (count > MAX_GROUPS || dim > MAX_DIM) return -1;
     for (int i = 0; i < count; i++) {
@@ -110,7 +110,8 @@ int turboquant_encode(const float *x, const float *mean, const float *scale, con
         }
         for (int j = 0; j < dim; j++) row[j] = order ? src[order[(int64_t)h * dim + j]] : src[j];
         uint8_t *dst = cache + (slots[r / heads] * heads + h) * nbytes;
-        for (int i = 0, start = 0; i < count; start += groups[i].dim, i++) dst = encode_group(&groups[i], row + start, dst);
+        for (int i = 0, start = 0; i < count; start += groups[i].dim, i++)
+            dst = encode_group(&groups[i], row + start, dst);
     }
     return 0;
 }
