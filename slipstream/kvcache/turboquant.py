@@ -1,8 +1,9 @@
 """TurboQuant: one KV-cache vector as one fixed-length row of bytes, and attention on the rows.
 
 Owns: the seeded rotations, codebooks, QJL projection, bit packing and byte layout of a
-compressed head vector, the choice of outlier channels for 2.5/3.5 bits, and the two
-attention primitives that read codes directly (`scores`, `weighted_sum`). Must never know
+compressed head vector, the choice of outlier channels for 2.5/3.5 bits, the two
+attention primitives that read codes directly (`scores`, `weighted_sum`), and the tables
+that native kernels read to do the same (`row_layout`, `encode_tables`). Must never know
 about blocks, pages, sequences or models: a paged cache stores the rows returned here as a
 uint8 tensor [num_blocks, block_size, num_kv_heads, nbytes].
 
