@@ -35,27 +35,12 @@ def test_shapes_the_kernel_cannot_tile_keep_onednn():
     torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 127])
-def test_native_int8_gemm_equals_the_dequantized_product(rows):
+@pytest.mark.parametrize("rows", [1, 4, 9, 127])  # int8: 6-row tiles, int4: 4-row tiles and single rows
+@pytest.mark.parametrize("out_features", [64, 48])  # 48: a last tile narrower than the kernels' tiles
+@pytest.mark.parametrize("method", [Int8Linear, Int4Linear])
+def test_native_quantized_gemm_equals_the_dequantized_product(method, rows, out_features):
     torch.manual_seed(rows)
-    layer = Int8Linear(Linear(96, 80, bias=False).bfloat16())
-    assert layer.packed is not None
-    x = torch.randn(rows, 96).bfloat16()
-    expected = F.linear(x.float(), layer.dequantized(torch.float32))
-    with torch.inference_mode():
-        out = layer(x)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
-    # and the same values as PyTorch's own int8 kernel, up to rounding
-    torch_kernel = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scale)
-    torch.testing.assert_close(out.float(), torch_kernel.float(), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("rows", [1, 4, 9])  # full 4-row tiles and single rows
-@pytest.mark.parametrize("out_features", [64, 48])  # 48: a last tile of one 16-column block
-def test_native_int4_gemm_equals_the_dequantized_product(rows, out_features):
-    torch.manual_seed(rows)
-    layer = Int4Linear(Linear(128, out_features, bias=False).bfloat16())
+    layer = method(Linear(128, out_features, bias=False).bfloat16())
     assert layer.packed is not None
     x = torch.randn(rows, 128).bfloat16()
     expected = F.linear(x.float(), layer.dequantized(torch.float32))
