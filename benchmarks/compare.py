@@ -169,9 +169,11 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """
     total = 0
     for m in model.modules():
-        if isinstance(m, Int4Linear):
-            tensors = [m.qweight, m.scales_and_zeros]  # the plain nibbles are only for prefill
-        elif isinstance(m, (Int8Linear, W8A8Linear)):
+        if isinstance(m, Int4Linear):  # what the native kernel reads, else PyTorch's (plain nibbles: prefill only)
+            tensors = [m.packed, m.packed_scale, m.packed_low] if m.packed is not None else [m.qweight, m.scales_and_zeros]
+        elif isinstance(m, Int8Linear):
+            tensors = [m.packed, m.scale_f32] if m.packed is not None else [m.qweight, m.scale]
+        elif isinstance(m, W8A8Linear):
             tensors = [m.qweight, m.scale]
         elif isinstance(m, torch.nn.Linear):
             tensors = [m.weight]
