@@ -134,16 +134,11 @@ def _has_slack(rows: torch.Tensor) -> bool:
 
 
 def _kernel():
-    lib = kernels.load("turboquant_attention")
-    if lib is None:
-        return None
-    fn = lib.turboquant_decode_attention
-    if fn.argtypes is None:
-        p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, p, p, i32, i32, i32, p, p, ctypes.c_float, p,
-                       i32, i32, i32, i32, i32, i32, i64, p, p, p, p, p, i32, i64, i64, p, i32]
-        fn.restype = ctypes.c_int
-    return fn
+    p, i32, i64 = kernels.PTR, kernels.I32, kernels.I64
+    return kernels.function("turboquant_attention", "turboquant_decode_attention",
+                            p, p, p, p, p, p, p, i32, i32, i32, p, p, i32, i32, i32, p, p, kernels.F32, p,
+                            i32, i32, i32, i32, i32, i32, i64, p, p, p, p, p, i32, i64, i64, p, i32,
+                            restype=ctypes.c_int)
 
 
 def _decode_dense(recent: RecentWindow, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,

@@ -162,15 +162,9 @@ def _native_write(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor
 
 
 def _encode_kernel():
-    lib = kernels.load("turboquant_encode")
-    if lib is None:
-        return None
-    fn = lib.turboquant_encode
-    if fn.argtypes is None:
-        p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, p, p, i32, i64, i32, i32, p, p, i32, i32]
-        fn.restype = ctypes.c_int
-    return fn
+    p, i32, i64 = kernels.PTR, kernels.I32, kernels.I64
+    return kernels.function("turboquant_encode", "turboquant_encode", p, p, p, p, p, p, i32, i64, i32, i32, p, p,
+                            i32, i32, restype=ctypes.c_int)
 
 
 def _by_head(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -12,21 +12,25 @@ from slipstream.kvcache.cache import LayerKVCache, _write_kernel
 pytestmark = pytest.mark.skipif(kernels.load("paged_attention") is None, reason="no C compiler for native kernels")
 
 
+def shuffled_block_tables(lens: list[int], block_size: int, num_blocks: int) -> torch.Tensor:
+    """[B, most blocks] tables (padded with 0) over blocks handed out shuffled, as after frees and reuse."""
+    order = torch.randperm(num_blocks)
+    tables = torch.zeros(len(lens), max(-(-n // block_size) for n in lens), dtype=torch.long)
+    used = 0
+    for i, n in enumerate(lens):
+        count = -(-n // block_size)
+        tables[i, :count] = order[used:used + count]
+        used += count
+    return tables
+
+
 def _decode_step(lens: list[int], num_heads: int, kv_heads: int, dim: int = 64, block_size: int = 16):
     torch.manual_seed(0)
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     cache = LayerKVCache(num_blocks, block_size, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
     cache.k.normal_()
     cache.v.normal_()
-    # blocks handed out shuffled, as after frees and reuse; tables padded with 0
-    order = torch.randperm(num_blocks)
-    width = max(-(-n // block_size) for n in lens)
-    tables = torch.zeros(len(lens), width, dtype=torch.long)
-    used = 0
-    for i, n in enumerate(lens):
-        count = -(-n // block_size)
-        tables[i, :count] = order[used:used + count]
-        used += count
+    tables = shuffled_block_tables(lens, block_size, num_blocks)
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(lens),
                              decode_block_tables=tables, decode_context_lens=torch.tensor(lens), prefills=[])
     q = torch.randn(len(lens), num_heads, dim, dtype=torch.bfloat16)

@@ -15,6 +15,7 @@ from slipstream.attention import reference, turboquant
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache, _native_write
+from tests.kernels.test_paged_attention import shuffled_block_tables
 
 pytestmark = pytest.mark.skipif(kernels.load("turboquant_attention") is None or kernels.load("turboquant_encode") is None,
                                 reason="no C compiler for native kernels")
@@ -43,13 +44,7 @@ def _decode_step(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, 
     cache = _cache(kv_dtype, kv_heads, num_heads, num_blocks, block_size, dim=dim)
     every_slot = torch.arange(num_blocks * block_size)
     cache.write(torch.randn(len(every_slot), kv_heads, dim) * 3 + 1, torch.randn(len(every_slot), kv_heads, dim), every_slot)
-    order = torch.randperm(num_blocks)
-    tables = torch.zeros(len(lens), max(-(-n // block_size) for n in lens), dtype=torch.long)
-    used = 0
-    for i, n in enumerate(lens):
-        count = -(-n // block_size)
-        tables[i, :count] = order[used:used + count]
-        used += count
+    tables = shuffled_block_tables(lens, block_size, num_blocks)
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(lens),
                              decode_block_tables=tables, decode_context_lens=torch.tensor(lens), prefills=[])
     return torch.randn(len(lens), num_heads, dim), cache, meta
