@@ -28,7 +28,8 @@ logger = logging.getLogger("slipstream")
 
 SOURCE_DIR = Path(__file__).parent
 COMPILER = os.environ.get("CC", "cc")
-# fast math without -ffinite-math-only: kernels rely on -inf and expf(-inf) == 0
+# fast math by parts: not -ffinite-math-only (kernels rely on -inf), and not -ffast-math, whose
+# startup code sets flush-to-zero for the whole process when the library loads
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
          "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -121,7 +122,3 @@ PTR, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_f
 
 def threads() -> int:
     return torch.get_num_threads()
-
-
-def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
