@@ -95,7 +95,8 @@ def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     sorted_probs, order = probs.sort(-1, descending=True)
     vocab = probs.shape[1]
-    k = torch.tensor([k or vocab for k in top_k], device=probs.device).unsqueeze(1)
+    # a top_k above the vocabulary keeps every token (and may not fit a 64-bit tensor)
+    k = torch.tensor([min(k, vocab) if k else vocab for k in top_k], device=probs.device).unsqueeze(1)
     ranks = torch.arange(vocab, device=probs.device).unsqueeze(0)
     keep = ranks < k
     sorted_probs = sorted_probs * keep

@@ -58,6 +58,13 @@ def test_top_k_keeps_samples_within_the_k_most_likely(llm, prompts):
             assert entry[token].rank <= 3
 
 
+@pytest.mark.parametrize("top_k", [10**6, 2**70])  # above the vocabulary, and above any 64-bit integer
+def test_top_k_above_the_vocabulary_keeps_every_token(llm, prompts, top_k):
+    draw = dict(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
+    unfiltered = _ids(llm.generate(prompts, SamplingParams(**draw), use_tqdm=False))
+    assert _ids(llm.generate(prompts, SamplingParams(top_k=top_k, **draw), use_tqdm=False)) == unfiltered
+
+
 def test_logprobs_are_consistent(llm, prompts):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
     for out in llm.generate(prompts, params, use_tqdm=False):
