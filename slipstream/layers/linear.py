@@ -80,7 +80,7 @@ def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | N
                   low: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16. The weight is bf16
     (`pack_columns`), int8 codes with a float32 `scale` per output column (`pack_columns`),
-    or 4-bit codes with `scale` and `low` per group and column (quantization.pack_int4)."""
+    or 4-bit codes with `scale` and `low` per group and column (`Int4Linear._pack_native`)."""
     x = x.contiguous()
     blocks, k = packed.shape[0], x.shape[1]
     out = x.new_empty(x.shape[0], blocks * 16)
@@ -88,11 +88,13 @@ def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | N
     args = (out.data_ptr(), x.shape[0], out.shape[1], k, kernels.threads())
     if packed.dtype == torch.bfloat16:
         gemm = kernels.function("gemm", "gemm_bf16", P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
-        gemm(x.data_ptr(), packed.data_ptr(), *args)
+        status = gemm(x.data_ptr(), packed.data_ptr(), *args)
     elif low is None:
         gemm = kernels.function("gemm", "gemm_int8", P, P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
-        gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
+        status = gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
     else:
         gemm = kernels.function("gemm", "gemm_int4", P, P, P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
-        gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), low.data_ptr(), *args)
+        status = gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), low.data_ptr(), *args)
+    if status != 0:  # shapes were checked when packing; what is left is a failed allocation
+        raise MemoryError(f"native GEMM could not allocate its {x.shape[0]}x{k} float32 input copy")
     return out
