@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -80,8 +81,13 @@ def _load(name: str) -> ctypes.CDLL | None:
 def _fingerprint(source: Path) -> str:
     # -march=native code is only valid on the CPU it was built for
     cpu = platform.machine() + _cpu_model()
-    text = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h")))
-    return hashlib.sha256(text + " ".join([COMPILER, *FLAGS, cpu]).encode()).hexdigest()[:16]
+    return hashlib.sha256(_text_with_includes(source) + " ".join([COMPILER, *FLAGS, cpu]).encode()).hexdigest()[:16]
+
+
+def _text_with_includes(source: Path) -> bytes:
+    """The source and, recursively, every local file it #includes (a kernel may include others)."""
+    text = source.read_bytes()
+    return text + b"".join(_text_with_includes(SOURCE_DIR / name.decode()) for name in re.findall(rb'#include "([^"]+)"', text))
 
 
 def _cpu_model() -> str:

@@ -21,6 +21,7 @@ from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.loader.hf_config import UnsupportedModelError, common_fields
 from slipstream.models.causal_lm import CausalLM
+from slipstream.models.native_decode import NativeDecoderLayer, decode_step
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
@@ -80,6 +81,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        native = NativeDecoderLayer.of(self)
+        step = None if native is None else decode_step(get_metadata(), positions, x, self.self_attn.rotary)
+        if step is not None and (out := native(x, step)) is not None:
+            return out
         x = x + self.self_attn(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -1,0 +1,121 @@
+// One decode step of a llama-family decoder layer in a single call: RMSNorm, fused QKV
+// projection, rotary, cache write, paged attention, output projection + residual, RMSNorm,
+// fused gate/up projection, SiLU(gate) * up, down projection + residual.
+//
+// Why: at one token per sequence the layer's work is ~10 kernels of microseconds each, and
+// calling them one by one from Python (module calls, ctypes argument conversion, tensor
+// allocation) cost more than reading the weights. This file strings together the same
+// kernels the torch path calls (they are included below), rounding every intermediate to
+// bf16 where the torch path does, so the two paths agree bit for bit except where SiLU's
+// exp differs from torch's in the last float bit.
+#include <math.h>
+#include <stdlib.h>
+
+#include "cache_write.c"
+#include "gemm.c"
+#include "norm.c"
+#include "paged_attention.c"
+#include "rotary.c"
+
+enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 };
+
+// A linear layer's packed weight (layers/linear.py, layers/quantization.py): [n, k] in the
+// [N/16][K][16] layout; int8 has a float32 scale per column, int4 a scale and a minimum per
+// group and column.
+typedef struct {
+    int32_t kind;
+    const void *weight;
+    const float *scale, *low;
+    int64_t n;
+} Weight;
+
+typedef struct {
+    const uint16_t *input_norm, *post_attention_norm;
+    Weight qkv, o, gate_up, down;
+    uint16_t *k_cache, *v_cache;  // [kv_heads, num_blocks, block_size, head_dim]
+    int64_t num_blocks, window;   // window: 0, or the sliding window of the layer
+    int32_t block_size, q_heads, kv_heads, head_dim, hidden, intermediate;
+    float eps, scale;
+} Layer;
+
+// What every layer of a step shares: one decode token per sequence.
+typedef struct {
+    int64_t tokens;
+    const int64_t *positions, *slots, *block_tables, *context_lens;  // block_tables [tokens, max_blocks]
+    const float *cos, *sin;                                           // [positions, head_dim / 2]
+    int32_t max_blocks, threads;
+} Step;
+
+static int project(const Weight *w, const uint16_t *x, uint16_t *y, int64_t m, int64_t k, int threads) {
+    switch (w->kind) {
+        case WEIGHT_BF16: return gemm_bf16(x, w->weight, y, m, w->n, k, threads);
+        case WEIGHT_INT8: return gemm_int8(x, w->weight, w->scale, y, m, w->n, k, threads);
+        case WEIGHT_INT4: return gemm_int4(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
+    }
+    return -1;
+}
+
+static void add_residual(uint16_t *x, const uint16_t *delta, int64_t count) {
+    for (int64_t i = 0; i < count; i++) x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(delta[i]));
+}
+
+// act[t] = silu(gate) * up, each rounded to bf16 as torch rounds F.silu(gate) and then the product
+static void silu_and_mul(const uint16_t *gate_up, uint16_t *act, int64_t tokens, int64_t width) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *gate = gate_up + t * 2 * width, *up = gate + width;
+        for (int64_t i = 0; i < width; i++) {
+            float g = bf16_to_float(gate[i]);
+            float silu = bf16_to_float(float_to_bf16(g / (1.f + expf(-g))));
+            act[t * width + i] = float_to_bf16(silu * bf16_to_float(up[i]));
+        }
+    }
+}
+
+static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t *normed, uint16_t *qkv,
+                           uint16_t *q, uint16_t *attn, uint16_t *delta) {
+    int64_t m = s->tokens, q_size = (int64_t)l->q_heads * l->head_dim, kv_size = (int64_t)l->kv_heads * l->head_dim;
+    int64_t width = q_size + 2 * kv_size;
+    rms_norm_bf16(x, l->input_norm, normed, m, l->hidden, l->eps, s->threads);
+    if (project(&l->qkv, normed, qkv, m, l->hidden, s->threads)) return -1;
+    rotary_bf16(qkv, qkv + q_size, width, m, l->q_heads, l->kv_heads, l->head_dim, s->cos, s->sin, s->positions,
+                s->threads);
+    cache_write_bf16(qkv + q_size, qkv + q_size + kv_size, l->k_cache, l->v_cache, s->slots, m, width, l->kv_heads,
+                     l->head_dim, l->num_blocks * l->block_size);
+    for (int64_t t = 0; t < m; t++) memcpy(q + t * q_size, qkv + t * width, q_size * sizeof(uint16_t));
+    if (paged_decode_attention_bf16(q, l->k_cache, l->v_cache, s->block_tables, s->context_lens, attn, (int)m,
+                                    l->q_heads, l->kv_heads, l->head_dim, l->num_blocks, l->block_size,
+                                    s->max_blocks, l->scale, l->window, s->threads))
+        return -1;
+    if (project(&l->o, attn, delta, m, q_size, s->threads)) return -1;
+    add_residual(x, delta, m * l->hidden);
+    return 0;
+}
+
+static int mlp_block(const Layer *l, const Step *s, uint16_t *x, uint16_t *normed, uint16_t *gate_up,
+                     uint16_t *act, uint16_t *delta) {
+    int64_t m = s->tokens;
+    rms_norm_bf16(x, l->post_attention_norm, normed, m, l->hidden, l->eps, s->threads);
+    if (project(&l->gate_up, normed, gate_up, m, l->hidden, s->threads)) return -1;
+    silu_and_mul(gate_up, act, m, l->intermediate);
+    if (project(&l->down, act, delta, m, l->intermediate, s->threads)) return -1;
+    add_residual(x, delta, m * l->hidden);
+    return 0;
+}
+
+// x: [tokens, hidden] bf16, updated in place to the layer's output. Returns 0, or -1 when a
+// shape is beyond the kernels or memory runs out (x is then unspecified: the caller must
+// not fall back on it, so it checks shapes up front, see models/native_decode.py).
+int decoder_layer_decode(const Layer *l, const Step *s, uint16_t *x) {
+    int64_t m = s->tokens, q_size = (int64_t)l->q_heads * l->head_dim;
+    int64_t qkv_width = q_size + 2 * (int64_t)l->kv_heads * l->head_dim;
+    int64_t per_token = l->hidden * 2 + qkv_width + 2 * q_size + 3 * l->intermediate;
+    uint16_t *scratch = malloc(sizeof(uint16_t) * m * per_token);
+    if (!scratch) return -1;
+    uint16_t *normed = scratch, *delta = normed + m * l->hidden, *qkv = delta + m * l->hidden;
+    uint16_t *q = qkv + m * qkv_width, *attn = q + m * q_size, *gate_up = attn + m * q_size;
+    uint16_t *act = gate_up + m * 2 * l->intermediate;
+    int status = attention_block(l, s, x, normed, qkv, q, attn, delta);
+    if (!status) status = mlp_block(l, s, x, normed, gate_up, act, delta);
+    free(scratch);
+    return status;
+}

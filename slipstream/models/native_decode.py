@@ -1,0 +1,130 @@
+"""Decode steps of llama-family decoder layers in one native call each (kernels/decoder_layer.c).
+
+At one token per sequence a layer's arithmetic takes microseconds, and the torch path's
+Python (module calls, per-kernel ctypes conversions, tensor allocations) cost more than
+reading the layer's weights. A `NativeDecoderLayer` describes one layer to the C code once
+(packed weights, norms, KV cache, shapes); each step then costs one call per layer with a
+per-step description shared by all layers.
+
+It serves steps where every token decodes (no prefill chunk), below UPCAST_MIN_ROWS tokens,
+in bf16 on the CPU, for layers whose projections all have native packed weights (bf16,
+int8 or int4), no biases, no q/k norms, and a dense bf16 KV cache; anything else returns
+None and takes the torch path, which stays the reference this one is tested against.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from slipstream import kernels
+from slipstream.attention.metadata import AttentionMetadata
+from slipstream.kvcache.cache import LayerKVCache
+from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear
+from slipstream.layers.quantization import Int4Linear, Int8Linear
+
+P, I32, I64, F32 = kernels.PTR, kernels.I32, kernels.I64, kernels.F32
+WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 = range(3)
+# the attention kernel's per-task buffers (kernels/paged_attention.c)
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("kind", I32), ("weight", P), ("scale", P), ("low", P), ("n", I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", P), ("post_attention_norm", P), ("qkv", _Weight), ("o", _Weight),
+                ("gate_up", _Weight), ("down", _Weight), ("k_cache", P), ("v_cache", P), ("num_blocks", I64),
+                ("window", I64), ("block_size", I32), ("q_heads", I32), ("kv_heads", I32), ("head_dim", I32),
+                ("hidden", I32), ("intermediate", I32), ("eps", F32), ("scale", F32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("tokens", I64), ("positions", P), ("slots", P), ("block_tables", P), ("context_lens", P),
+                ("cos", P), ("sin", P), ("max_blocks", I32), ("threads", I32)]
+
+
+def _kernel():
+    return kernels.function("decoder_layer", "decoder_layer_decode", ctypes.POINTER(_Layer),
+                            ctypes.POINTER(_Step), P, restype=ctypes.c_int)
+
+
+def packed_weight(linear: nn.Module) -> _Weight | None:
+    """The C description of a projection with a native packed weight and no bias, else None."""
+    if getattr(linear, "bias", None) is not None or getattr(linear, "packed", None) is None:
+        return None
+    if isinstance(linear, Linear) and linear.native:
+        return _Weight(WEIGHT_BF16, linear.packed.data_ptr(), None, None, linear.out_features)
+    if isinstance(linear, Int8Linear):
+        return _Weight(WEIGHT_INT8, linear.packed.data_ptr(), linear.scale_f32.data_ptr(), None, linear.qweight.shape[0])
+    if isinstance(linear, Int4Linear):
+        return _Weight(WEIGHT_INT4, linear.packed.data_ptr(), linear.packed_scale.data_ptr(),
+                       linear.packed_low.data_ptr(), linear.packed.shape[0] * 16)
+    return None
+
+
+class NativeDecoderLayer:
+    """A llama decoder layer (input_layernorm, self_attn, post_attention_layernorm, mlp) bound
+    to its KV cache, for `decoder_layer_decode`; `build` returns None when it does not fit."""
+
+    def __init__(self, struct: _Layer):
+        self.struct = struct
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> NativeDecoderLayer | None:
+        """`layer`'s native form, built on first use and again whenever its KV cache is rebound."""
+        if _kernel() is None:
+            return None
+        cache = layer.self_attn.kv_cache
+        built = getattr(layer, "_native_decode", None)
+        if built is None or built[0] is not cache:
+            built = layer._native_decode = (cache, cls.build(layer))
+        return built[1]
+
+    @classmethod
+    def build(cls, layer: nn.Module) -> NativeDecoderLayer | None:
+        attn, mlp = layer.self_attn, layer.mlp
+        cache = attn.kv_cache
+        weights = [packed_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if (_kernel() is None or None in weights or attn.qk_norm or not _dense_bf16(cache)
+                or any(w.dtype != torch.bfloat16 for w in norms) or attn.rotary.cos.dtype != torch.float32
+                or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
+            return None
+        heads, num_blocks, block_size, head_dim = cache.k.shape
+        if attn.num_heads // heads > MAX_GROUP or head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK:
+            return None
+        struct = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, cache.k.data_ptr(), cache.v.data_ptr(),
+                        num_blocks, attn.sliding_window or 0, block_size, attn.num_heads, heads, head_dim,
+                        norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.scale)
+        return cls(struct)
+
+    def __call__(self, x: torch.Tensor, step: _Step) -> torch.Tensor | None:
+        """The layer's output for decode rows x, or None if the kernel declined (x is untouched)."""
+        out = x.clone(memory_format=torch.contiguous_format)
+        status = _kernel()(ctypes.byref(self.struct), ctypes.byref(step), out.data_ptr())
+        return out if status == 0 else None
+
+
+def _dense_bf16(cache) -> bool:
+    return isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and cache.k.device.type == "cpu"
+
+
+def decode_step(meta: AttentionMetadata, positions: torch.Tensor, x: torch.Tensor,
+                rotary: nn.Module) -> _Step | None:
+    """The step's shared C description when every row of x is a decode token, else None;
+    built once per step and kept in the metadata's step cache."""
+    tokens = x.shape[0]
+    if (meta.prefills or meta.num_decode_tokens != tokens or tokens >= UPCAST_MIN_ROWS or x.dtype != torch.bfloat16
+            or x.device.type != "cpu" or torch.is_grad_enabled()):
+        return None
+    key = "native decode step"
+    if key not in meta.step_cache:
+        tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
+        positions = positions.contiguous()
+        step = _Step(tokens, positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                     rotary.cos.data_ptr(), rotary.sin.data_ptr(), tables.shape[1], kernels.threads())
+        meta.step_cache[key] = (step, tables, lens, positions)  # the tensors stay alive with the step
+    return meta.step_cache[key][0]

@@ -1,0 +1,75 @@
+"""Decode steps through kernels/decoder_layer.c (one call per layer) against the per-kernel torch path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream import LLM, SamplingParams
+from slipstream.layers.linear import native_gemm_fits
+from slipstream.models import native_decode
+from slipstream.models.native_decode import NativeDecoderLayer
+from tests.conftest import build_tiny_checkpoint, random_prompts
+
+pytestmark = pytest.mark.skipif(native_decode._kernel() is None or not native_gemm_fits(torch.empty(16, 2)),
+                                reason="native decode needs a compiler and AVX-512")
+
+# bf16 on both sides; the paths round every intermediate alike except SiLU's exp (last float
+# bit before rounding to bf16): observed identical logprobs
+LOGPROB_TOL = 1e-2
+CASES = [("llama", 4, None), ("llama", 1, None), ("llama", 2, "int8"), ("llama", 2, "int4"), ("mistral", 2, None)]
+
+
+def _generate(path: str, quantization: str | None, prompts: list[list[int]], **engine_args):
+    llm = LLM(path, dtype="bfloat16", quantization=quantization, enable_prefix_caching=False, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    logprobs = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outputs]
+    return llm, [o.outputs[0].token_ids for o in outputs], torch.tensor(logprobs)
+
+
+def _count_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    original = NativeDecoderLayer.__call__
+
+    def counted(self, x, step):
+        calls[0] += 1
+        return original(self, x, step)
+
+    monkeypatch.setattr(NativeDecoderLayer, "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("family,num_kv_heads,quantization", CASES,
+                         ids=[f"{f}-kv{k}-{q or 'bf16'}" for f, k, q in CASES])
+def test_native_decode_matches_the_per_kernel_path(tmp_path, monkeypatch, family, num_kv_heads, quantization):
+    # mistral: a sliding window shorter than the sequences, so the window rule is exercised
+    overrides = {"sliding_window": 12} if family == "mistral" else {}
+    path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=num_kv_heads, seed=3, **overrides)
+    prompts = random_prompts(4, 3, 20, seed=2)  # ragged lengths: different positions and block tables per row
+    calls = _count_calls(monkeypatch)
+    llm, tokens, logprobs = _generate(path, quantization, prompts, block_size=4)
+    assert calls[0] == 2 * 9  # 2 layers x 9 decode steps of all four sequences
+    assert llm.stats()["num_used_blocks"] == 0
+    monkeypatch.setattr(native_decode, "_kernel", lambda: None)
+    _, expected_tokens, expected_logprobs = _generate(path, quantization, prompts, block_size=4)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=LOGPROB_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q/k/v biases, per-head q/k norms
+def test_layers_the_kernel_does_not_cover_keep_the_torch_path(tmp_path, monkeypatch, family):
+    path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=2)
+    calls = _count_calls(monkeypatch)
+    llm, tokens, _ = _generate(path, None, random_prompts(2, 3, 8, seed=1))
+    assert calls[0] == 0 and all(len(t) == 10 for t in tokens)
+    assert all(NativeDecoderLayer.of(layer) is None for layer in llm.engine.runner.model.model.layers)
+
+
+def test_turboquant_and_float32_caches_keep_the_torch_path(tiny_llama, monkeypatch):
+    calls = _count_calls(monkeypatch)
+    for args in (dict(dtype="bfloat16", kv_cache_dtype="tq4"), dict(dtype="float32")):
+        llm = LLM(tiny_llama, **args)
+        outputs = llm.generate(random_prompts(2, 3, 8, seed=1), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                               use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+    assert calls[0] == 0
