@@ -1,0 +1,116 @@
+"""The native MoE expert (kernels/moe_expert.c) against a float32 computation from the same bf16
+weights: tile tails in tokens and features, accumulation into the output, the MoE layer on it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slipstream import kernels
+from slipstream.layers import moe
+from slipstream.layers.moe import Experts, native_expert, native_expert_fits
+
+pytestmark = pytest.mark.skipif(not native_expert_fits(torch.empty(32, 16, dtype=torch.bfloat16),
+                                                       torch.empty(16, 16, dtype=torch.bfloat16)),
+                                reason="native MoE expert needs a compiler and AVX-512")
+
+
+def expert_weights(hidden: int, width: int, seed: int, scale: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(2 * width, hidden, generator=g) * scale).bfloat16()
+    down = (torch.randn(hidden, width, generator=g) * scale).bfloat16()
+    return gate_up, down
+
+
+def reference(x, token, pair_weights, gate_up, down, out):
+    """out[token] += w * down(silu(gate) * up), float32 from the bf16 inputs."""
+    gate, up = (x[token].float() @ gate_up.float().T).chunk(2, dim=-1)
+    return out.index_add(0, token, pair_weights.unsqueeze(1) * ((F.silu(gate) * up) @ down.float().T))
+
+
+# hidden 80 = 48 + 32: a last feature panel of 5 full tiles and one of 2 rows; width 80 = 3 x 24 + 8:
+# a last gate/up panel of 3 + 3 + 2 gate rows. Tokens: one, 15/16/17 around a vector, 63/64/65
+# around a block of 64, and 130 = two full blocks and a last block of 2.
+@pytest.mark.parametrize("tokens", [1, 15, 16, 17, 63, 64, 65, 130])
+@pytest.mark.parametrize("hidden,width", [(48, 48), (80, 80), (32, 160)])
+def test_expert_equals_float32_computation(tokens, hidden, width):
+    gate_up, down = expert_weights(hidden, width, seed=tokens)
+    g = torch.Generator().manual_seed(100 + tokens)
+    x = torch.randn(200, hidden, generator=g).bfloat16()
+    token = torch.randperm(200, generator=g)[:tokens]
+    pair_weights = torch.rand(tokens, generator=g)
+    out = torch.randn(200, hidden, generator=g)  # the kernel adds into what is there
+    expected = reference(x, token, pair_weights, gate_up, down, out)
+    native_expert(x, token, pair_weights, gate_up, down, out)
+    # the same bf16 products in float32; only the order of the sums differs
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_silu_of_huge_gates_saturates():
+    """Gates of +-1e20: silu(g) = g or 0. Unclamped, the kernel's exp would reduce such arguments
+    to garbage and turn silu(1e20) into 0. Up rows are as small, so that products stay finite."""
+    hidden, width = 16, 16
+    gate_up, down = expert_weights(hidden, width, seed=1, scale=1.0)
+    gate_up = torch.cat([gate_up[:width].float() * 1e20, gate_up[width:].float() * 1e-20]).bfloat16()
+    x = torch.randn(70, hidden).bfloat16()
+    token, pair_weights = torch.arange(70), torch.ones(70)
+    out = torch.zeros(70, hidden)
+    expected = reference(x, token, pair_weights, gate_up, down, torch.zeros(70, hidden))
+    native_expert(x, token, pair_weights, gate_up, down, out)
+    assert torch.isfinite(expected).all() and expected.abs().max() > 1
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def moe_inputs(num_experts: int, hidden: int, width: int, tokens: int, top_k: int, hot_expert: int | None = None):
+    experts = Experts(num_experts, hidden, width).bfloat16()
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.3)
+        experts.down_proj.normal_(0, 0.3)
+    x = torch.randn(tokens, hidden).bfloat16()
+    scores = torch.randn(tokens, num_experts)
+    if hot_expert is not None:
+        scores[:, hot_expert] += 100  # every token's first choice
+    weights, ids = scores.softmax(-1).topk(top_k)
+    return experts, x, weights, ids, torch.bincount(ids.flatten(), minlength=num_experts)
+
+
+def moe_reference(experts, x, weights, ids):
+    out = torch.zeros(x.shape)
+    for e in range(experts.gate_up_proj.shape[0]):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        if len(token):
+            out = reference(x, token, weights[token, slot], experts.gate_up_proj[e], experts.down_proj[e], out)
+    return out
+
+
+@pytest.mark.parametrize("hot_expert,num_experts", [(None, 4), (2, 4), (1, 6)],
+                         ids=["spread", "one-expert-takes-all", "empty-experts"])
+def test_moe_layer_runs_large_groups_natively(monkeypatch, hot_expert, num_experts):
+    """bf16 without AMX: groups of >= UPCAST_MIN_TOKENS go through the kernel, smaller ones
+    through the bf16 expert; the sum matches float32 up to bf16 rounding."""
+    monkeypatch.setattr(moe, "cpu_has_amx", lambda: False)
+    calls = []
+    monkeypatch.setattr(moe, "native_expert", lambda x, token, *a: calls.append(len(token)) or native_expert(x, token, *a))
+    top_k = 1 if hot_expert is not None and num_experts == 6 else 2
+    experts, x, weights, ids, counts = moe_inputs(num_experts, 32, 48, 150, top_k, hot_expert)
+    with torch.no_grad():
+        out = experts(x, weights, ids, counts)
+    sizes = counts.tolist()
+    assert calls == [n for n in sizes if n >= moe.UPCAST_MIN_TOKENS] and calls
+    if hot_expert is not None:
+        assert sizes[hot_expert] == 150 and (top_k == 2 or sizes.count(0) == num_experts - 1)
+    expected = moe_reference(experts, x, weights, ids)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
+
+
+def test_without_native_kernels_the_torch_path_runs(monkeypatch):
+    monkeypatch.setattr(moe, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    monkeypatch.setattr(moe, "native_expert", lambda *a: pytest.fail("native kernel called with kernels disabled"))
+    experts, x, weights, ids, counts = moe_inputs(4, 32, 48, 150, 2)
+    assert not experts.native_fits()
+    with torch.no_grad():
+        out = experts(x, weights, ids, counts)
+    expected = moe_reference(experts, x, weights, ids)
+    torch.testing.assert_close(out.float(), expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
