@@ -1,8 +1,8 @@
-// One decode step of a llama-family decoder layer in a single call: RMSNorm, fused QKV
-// projection, rotary, cache write, paged attention, output projection + residual, RMSNorm,
-// fused gate/up projection, SiLU(gate) * up, down projection + residual.
+// One decode step through a stack of llama-family decoder layers in a single call. Each layer:
+// RMSNorm, fused QKV projection, rotary, cache write, paged attention, output projection +
+// residual, RMSNorm, fused gate/up projection, SiLU(gate) * up, down projection + residual.
 //
-// Why: at one token per sequence the layer's work is ~10 kernels of microseconds each, and
+// Why: at one token per sequence a layer's work is ~10 kernels of microseconds each, and
 // calling them one by one from Python (module calls, ctypes argument conversion, tensor
 // allocation) cost more than reading the weights. This file strings together the same
 // kernels the torch path calls (they are included below), rounding every intermediate to
@@ -102,20 +102,31 @@ static int mlp_block(const Layer *l, const Step *s, uint16_t *x, uint16_t *norme
     return 0;
 }
 
-// x: [tokens, hidden] bf16, updated in place to the layer's output. Returns 0, or -1 when a
-// shape is beyond the kernels or memory runs out (x is then unspecified: the caller must
-// not fall back on it, so it checks shapes up front, see models/native_decode.py).
-int decoder_layer_decode(const Layer *l, const Step *s, uint16_t *x) {
+static int64_t scratch_per_token(const Layer *l) {
+    int64_t q_size = (int64_t)l->q_heads * l->head_dim, qkv_width = q_size + 2 * (int64_t)l->kv_heads * l->head_dim;
+    return l->hidden * 2 + qkv_width + 2 * q_size + 3 * l->intermediate;
+}
+
+static int decode_layer(const Layer *l, const Step *s, uint16_t *x, uint16_t *scratch) {
     int64_t m = s->tokens, q_size = (int64_t)l->q_heads * l->head_dim;
     int64_t qkv_width = q_size + 2 * (int64_t)l->kv_heads * l->head_dim;
-    int64_t per_token = l->hidden * 2 + qkv_width + 2 * q_size + 3 * l->intermediate;
-    uint16_t *scratch = malloc(sizeof(uint16_t) * m * per_token);
-    if (!scratch) return -1;
     uint16_t *normed = scratch, *delta = normed + m * l->hidden, *qkv = delta + m * l->hidden;
     uint16_t *q = qkv + m * qkv_width, *attn = q + m * q_size, *gate_up = attn + m * q_size;
     uint16_t *act = gate_up + m * 2 * l->intermediate;
-    int status = attention_block(l, s, x, normed, qkv, q, attn, delta);
-    if (!status) status = mlp_block(l, s, x, normed, gate_up, act, delta);
+    if (attention_block(l, s, x, normed, qkv, q, attn, delta)) return -1;
+    return mlp_block(l, s, x, normed, gate_up, act, delta);
+}
+
+// Runs `count` layers in order on x: [tokens, hidden] bf16, updated in place to the last
+// layer's output. Returns 0, or -1 when memory runs out or a shape is beyond the kernels;
+// x is then unspecified, so the caller checks shapes before (models/native_decode.py).
+int decoder_layers_decode(const Layer *layers, int32_t count, const Step *s, uint16_t *x) {
+    int64_t per_token = 0;
+    for (int32_t i = 0; i < count; i++)
+        per_token = scratch_per_token(layers + i) > per_token ? scratch_per_token(layers + i) : per_token;
+    uint16_t *scratch = malloc(sizeof(uint16_t) * s->tokens * per_token);
+    int status = scratch ? 0 : -1;
+    for (int32_t i = 0; i < count && !status; i++) status = decode_layer(layers + i, s, x, scratch);
     free(scratch);
     return status;
 }

@@ -51,21 +51,51 @@ static inline __m512 silu_times(__m512 gate, __m512 up) {
     return _mm512_mul_ps(_mm512_mul_ps(gate, sig), up);
 }
 
-// Tokens of one block widened and laid token-major: xp[k][TB], zero-padded past `count`.
-static void pack_tokens(const uint16_t *x, int64_t h, const int64_t *tokens, int64_t count, float *xp) {
-    for (int64_t j = 0; j < TB; j++) {
-        const uint16_t *row = j < count ? x + tokens[j] * h : NULL;
-        for (int64_t k = 0; k < h; k++) xp[k * TB + j] = row ? bf16_to_float(row[k]) : 0.f;
+static inline __m512 widen(const uint16_t *bf16) {  // 16 bf16 -> float32: the bits move to the top half
+    __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bf16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+
+static inline void transpose16(__m512 r[16]) {  // r[i][j] <- r[j][i]
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
     }
+    for (int i = 0; i < 16; i += 4)
+        for (int j = 0; j < 2; j++) {
+            __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
+            r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 16; j += 8) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+// Tokens of one block widened and laid token-major, xp[k][TB], zero past `count`: 16 tokens x
+// 16 K-steps at a time through a register transpose.
+static void pack_tokens(const uint16_t *x, int64_t h, const int64_t *tokens, int64_t count, float *xp) {
+    for (int g = 0; g < NV; g++)
+        for (int64_t k = 0; k < h; k += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = g * 16 + i < count ? widen(x + tokens[g * 16 + i] * h + k) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps(xp + (k + i) * TB + 16 * g, r[i]);
+        }
 }
 
 // rows[i] (i < mr) widened 16 K-steps at a time: wp[K/16][mr][16].
 static void pack_rows(const uint16_t *const *rows, int mr, int64_t k, float *wp) {
     for (int64_t kb = 0; kb < k / 16; kb++)
-        for (int i = 0; i < mr; i++) {
-            __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rows[i] + kb * 16)));
-            _mm512_storeu_ps(wp + (kb * mr + i) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
-        }
+        for (int i = 0; i < mr; i++) _mm512_storeu_ps(wp + (kb * mr + i) * 16, widen(rows[i] + kb * 16));
 }
 
 // c[i][16v..] (+)= sum over kc steps of wp row i times tokens 16v..16v+15 of xp. mr and nv are
@@ -170,6 +200,26 @@ static void gate_up_pass(const float *xp, int64_t blocks, int64_t m, int64_t h, 
     }
 }
 
+// out[tokens[j]][f] += weights[j] * sums[f][j] for one token block's panel sums (row f at
+// sums + f * TB): 16 features x 16 tokens at a time through a register transpose.
+static void add_weighted(const float *sums, int64_t features, const int64_t *tokens, const float *weights,
+                         int64_t count, float *out, int64_t h) {
+    for (int64_t f = 0; f < features; f += 16) {
+        int n = features - f < 16 ? (int)(features - f) : 16;
+        __mmask16 mask = (__mmask16)((1u << n) - 1);
+        for (int64_t j0 = 0; j0 < count; j0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) r[i] = i < n ? _mm512_loadu_ps(sums + (f + i) * TB + j0) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int j = 0; j < 16 && j0 + j < count; j++) {
+                float *dst = out + tokens[j0 + j] * h + f;
+                __m512 sum = _mm512_fmadd_ps(_mm512_set1_ps(weights[j0 + j]), r[j], _mm512_maskz_loadu_ps(mask, dst));
+                _mm512_mask_storeu_ps(dst, mask, sum);
+            }
+        }
+    }
+}
+
 // out[tokens[j]][f] += weights[j] * (down row f . g_j); panels of output features split across threads.
 static void down_pass(const float *gp, int64_t blocks, int64_t m, int64_t inter, const uint16_t *down, int64_t h,
                       const int64_t *tokens, const float *weights, float *out, float *wp, float *c) {
@@ -185,11 +235,7 @@ static void down_pass(const float *gp, int64_t blocks, int64_t m, int64_t inter,
         }
         panel(wp, tiles, last_rows, gp, blocks, m, inter, c);
         for (int64_t b = 0; b < blocks; b++)
-            for (int64_t j = 0; j < block_tokens(m, b); j++) {
-                float *dst = out + tokens[b * TB + j] * h + f0, w = weights[b * TB + j];
-                const float *sums = c + b * (MC / MR) * MR * TB + j;
-                for (int64_t f = 0; f < features; f++) dst[f] += w * sums[f * TB];
-            }
+            add_weighted(c + b * MC * TB, features, tokens + b * TB, weights + b * TB, block_tokens(m, b), out + f0, h);
     }
 }
 

@@ -79,7 +79,7 @@ def native_gemm_fits(weight: torch.Tensor) -> bool:
 def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
                   low: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16. The weight is bf16
-    (`pack_columns`), int8 codes with a float32 `scale` per output column (`pack_columns`),
+    (`pack_columns`), int8 codes with a float32 `scale` per output column (`Int8Linear`),
     or 4-bit codes with `scale` and `low` per group and column (`Int4Linear._pack_native`)."""
     x = x.contiguous()
     blocks, k = packed.shape[0], x.shape[1]

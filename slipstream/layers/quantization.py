@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.config import QUANTIZATION_METHODS
-from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear, native_gemm_fits, native_matmul, pack_columns
+from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear, native_gemm_fits, native_matmul
 
 INT4_GROUP_SIZE = 32
 
@@ -43,16 +43,16 @@ class _WeightOnlyLinear(nn.Module):
 
 
 class Int8Linear(_WeightOnlyLinear):
-    """With the native GEMM (kernels/gemm.c) bf16 batches multiply codes widened in registers,
-    1.6-1.9x `_weight_int8pack_mm` at one row; its codes are a second, column-packed copy."""
+    """With the native GEMM (kernels/gemm.c) bf16 batches multiply the codes in integer
+    arithmetic, against 16-bit fixed-point activations; its codes are a second, packed copy."""
 
     def __init__(self, layer: nn.Linear):
         super().__init__()
         qweight, scale = _int8_per_channel(layer.weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(layer.weight.dtype))
-        native = layer.weight.dtype == torch.bfloat16 and native_gemm_fits(qweight)
-        self.register_buffer("packed", pack_columns(qweight) if native else None)
+        native = layer.weight.dtype == torch.bfloat16 and native_gemm_fits(qweight) and qweight.shape[1] % 2 == 0
+        self.register_buffer("packed", _pack_pairs(qweight) if native else None)
         self.register_buffer("scale_f32", scale.to(self.scale.dtype).float() if native else None)
         self.bias = layer.bias
 
@@ -93,6 +93,12 @@ class W8A8Linear(nn.Module):
         return out.to(x.dtype)
 
 
+def _pack_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> [N/16, K/2, 16, 2]: pairs of K steps of 16 output columns (kernels/gemm.c)."""
+    n, k = codes.shape
+    return codes.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+
+
 def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes [N, K] and float32 scales [N], one per output channel."""
     w = weight.detach().float()
@@ -120,11 +126,12 @@ class Int4Linear(_WeightOnlyLinear):
         self.bias = layer.bias
 
     def _pack_native(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Codes as [N/16, K/2, 16] bytes (two K steps per byte), scale and low [N/16, groups, 16]
-        float32 from the kernel's own rounded values, for kernels/gemm.c."""
+        """For kernels/gemm.c: codes as [N/16, K/8, 16, 4] bytes, eight K steps per column's
+        dword with nibbles in the order 0 2 4 6 1 3 5 7; scale and low (the group's minimum)
+        [N/16, groups, 16] float32 from the kernel's own rounded values."""
         n, k = q.shape
-        pairs = q.view(n // 16, 16, k // 2, 2)
-        packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
+        steps = q.view(n // 16, 16, k // 8, 8)[..., [0, 2, 4, 6, 1, 3, 5, 7]]
+        packed = (steps[..., 0::2] | (steps[..., 1::2] << 4)).transpose(1, 2).contiguous()
         scale, zero = self.scales_and_zeros.float().unbind(-1)  # [groups, N]
         by_block = lambda t: t.view(t.shape[0], n // 16, 16).transpose(0, 1).contiguous()
         return packed, by_block(scale), by_block(zero - 8 * scale)

@@ -21,7 +21,7 @@ from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.loader.hf_config import UnsupportedModelError, common_fields
 from slipstream.models.causal_lm import CausalLM
-from slipstream.models.native_decode import NativeDecoderLayer, decode_step
+from slipstream.models.native_decode import NativeDecoder, decode_step
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
@@ -81,10 +81,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        native = NativeDecoderLayer.of(self)
-        step = None if native is None else decode_step(get_metadata(), positions, x, self.self_attn.rotary)
-        if step is not None and (out := native(x, step)) is not None:
-            return out
         x = x + self.self_attn(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -100,6 +96,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        native = NativeDecoder.of(self.layers)
+        step = None if native is None else decode_step(get_metadata(), positions, x, self.layers[0].self_attn.rotary)
+        if step is not None:
+            native(x, step)  # in place: x is the embedding lookup's own tensor
+            return self.norm(x)
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)

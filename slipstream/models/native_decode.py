@@ -1,15 +1,15 @@
-"""Decode steps of llama-family decoder layers in one native call each (kernels/decoder_layer.c).
+"""Decode steps through all llama-family decoder layers in one native call (kernels/decoder_layer.c).
 
 At one token per sequence a layer's arithmetic takes microseconds, and the torch path's
 Python (module calls, per-kernel ctypes conversions, tensor allocations) cost more than
-reading the layer's weights. A `NativeDecoderLayer` describes one layer to the C code once
-(packed weights, norms, KV cache, shapes); each step then costs one call per layer with a
-per-step description shared by all layers.
+reading the layer's weights. A `NativeDecoder` describes a model's layers to the C code
+once (packed weights, norms, KV caches, shapes); each step then costs one call, with a
+description of the step (positions, slots, block tables) built once from its metadata.
 
 It serves steps where every token decodes (no prefill chunk), below UPCAST_MIN_ROWS tokens,
-in bf16 on the CPU, for layers whose projections all have native packed weights (bf16,
-int8 or int4), no biases, no q/k norms, and a dense bf16 KV cache; anything else returns
-None and takes the torch path, which stays the reference this one is tested against.
+in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8
+or int4), no biases, no q/k norms, and a dense bf16 KV cache; anything else returns None
+and takes the torch path, which stays the reference this one is tested against.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class _Step(ctypes.Structure):
 
 
 def _kernel():
-    return kernels.function("decoder_layer", "decoder_layer_decode", ctypes.POINTER(_Layer),
+    return kernels.function("decoder_layer", "decoder_layers_decode", ctypes.POINTER(_Layer), I32,
                             ctypes.POINTER(_Step), P, restype=ctypes.c_int)
 
 
@@ -65,47 +65,48 @@ def packed_weight(linear: nn.Module) -> _Weight | None:
     return None
 
 
-class NativeDecoderLayer:
-    """A llama decoder layer (input_layernorm, self_attn, post_attention_layernorm, mlp) bound
-    to its KV cache, for `decoder_layer_decode`; `build` returns None when it does not fit."""
+def _layer(layer: nn.Module) -> _Layer | None:
+    """The C description of a llama decoder layer (input_layernorm, self_attn,
+    post_attention_layernorm, gated mlp) bound to its KV cache, or None if it does not fit."""
+    attn, mlp = layer.self_attn, layer.mlp
+    cache = attn.kv_cache
+    projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+    weights = [packed_weight(m) for m in projections]
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if (None in weights or attn.qk_norm or not _dense_bf16(cache) or any(w.dtype != torch.bfloat16 for w in norms)
+            or attn.rotary.cos.dtype != torch.float32 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
+        return None
+    heads, num_blocks, block_size, head_dim = cache.k.shape
+    if attn.num_heads // heads > MAX_GROUP or head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK:
+        return None
+    return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, cache.k.data_ptr(), cache.v.data_ptr(),
+                  num_blocks, attn.sliding_window or 0, block_size, attn.num_heads, heads, head_dim,
+                  norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.scale)
 
-    def __init__(self, struct: _Layer):
-        self.struct = struct
+
+class NativeDecoder:
+    """A model's decoder layers described to `decoder_layers_decode` once."""
+
+    def __init__(self, layers: ctypes.Array):
+        self.layers = layers
 
     @classmethod
-    def of(cls, layer: nn.Module) -> NativeDecoderLayer | None:
-        """`layer`'s native form, built on first use and again whenever its KV cache is rebound."""
+    def of(cls, layers: nn.ModuleList) -> NativeDecoder | None:
+        """The native form of `layers`, built on first use and again whenever a KV cache is
+        rebound; None when the kernel is unavailable or any layer does not fit."""
         if _kernel() is None:
             return None
-        cache = layer.self_attn.kv_cache
-        built = getattr(layer, "_native_decode", None)
-        if built is None or built[0] is not cache:
-            built = layer._native_decode = (cache, cls.build(layer))
+        caches = tuple(layer.self_attn.kv_cache for layer in layers)
+        built = getattr(layers, "_native_decode", None)
+        if built is None or any(a is not b for a, b in zip(built[0], caches)):
+            structs = [_layer(layer) for layer in layers]
+            built = layers._native_decode = (caches, None if None in structs else cls((_Layer * len(structs))(*structs)))
         return built[1]
 
-    @classmethod
-    def build(cls, layer: nn.Module) -> NativeDecoderLayer | None:
-        attn, mlp = layer.self_attn, layer.mlp
-        cache = attn.kv_cache
-        weights = [packed_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if (_kernel() is None or None in weights or attn.qk_norm or not _dense_bf16(cache)
-                or any(w.dtype != torch.bfloat16 for w in norms) or attn.rotary.cos.dtype != torch.float32
-                or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
-            return None
-        heads, num_blocks, block_size, head_dim = cache.k.shape
-        if attn.num_heads // heads > MAX_GROUP or head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK:
-            return None
-        struct = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, cache.k.data_ptr(), cache.v.data_ptr(),
-                        num_blocks, attn.sliding_window or 0, block_size, attn.num_heads, heads, head_dim,
-                        norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.scale)
-        return cls(struct)
-
-    def __call__(self, x: torch.Tensor, step: _Step) -> torch.Tensor | None:
-        """The layer's output for decode rows x, or None if the kernel declined (x is untouched)."""
-        out = x.clone(memory_format=torch.contiguous_format)
-        status = _kernel()(ctypes.byref(self.struct), ctypes.byref(step), out.data_ptr())
-        return out if status == 0 else None
+    def __call__(self, x: torch.Tensor, step: _Step) -> None:
+        """Runs every layer on the contiguous decode rows x, in place."""
+        if _kernel()(self.layers, len(self.layers), ctypes.byref(step), x.data_ptr()) != 0:
+            raise MemoryError(f"native decode could not allocate scratch for {x.shape[0]} tokens")
 
 
 def _dense_bf16(cache) -> bool:
@@ -118,7 +119,7 @@ def decode_step(meta: AttentionMetadata, positions: torch.Tensor, x: torch.Tenso
     built once per step and kept in the metadata's step cache."""
     tokens = x.shape[0]
     if (meta.prefills or meta.num_decode_tokens != tokens or tokens >= UPCAST_MIN_ROWS or x.dtype != torch.bfloat16
-            or x.device.type != "cpu" or torch.is_grad_enabled()):
+            or x.device.type != "cpu" or not x.is_contiguous() or torch.is_grad_enabled()):
         return None
     key = "native decode step"
     if key not in meta.step_cache:

@@ -1,4 +1,4 @@
-"""Decode steps through kernels/decoder_layer.c (one call per layer) against the per-kernel torch path."""
+"""Decode steps through kernels/decoder_layer.c (one call for all layers) against the per-kernel torch path."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from slipstream import LLM, SamplingParams
 from slipstream.layers.linear import native_gemm_fits
 from slipstream.models import native_decode
-from slipstream.models.native_decode import NativeDecoderLayer
+from slipstream.models.native_decode import NativeDecoder
 from tests.conftest import build_tiny_checkpoint, random_prompts
 
 pytestmark = pytest.mark.skipif(native_decode._kernel() is None or not native_gemm_fits(torch.empty(16, 2)),
@@ -29,13 +29,13 @@ def _generate(path: str, quantization: str | None, prompts: list[list[int]], **e
 
 def _count_calls(monkeypatch) -> list[int]:
     calls = [0]
-    original = NativeDecoderLayer.__call__
+    original = NativeDecoder.__call__
 
     def counted(self, x, step):
         calls[0] += 1
         return original(self, x, step)
 
-    monkeypatch.setattr(NativeDecoderLayer, "__call__", counted)
+    monkeypatch.setattr(NativeDecoder, "__call__", counted)
     return calls
 
 
@@ -48,7 +48,7 @@ def test_native_decode_matches_the_per_kernel_path(tmp_path, monkeypatch, family
     prompts = random_prompts(4, 3, 20, seed=2)  # ragged lengths: different positions and block tables per row
     calls = _count_calls(monkeypatch)
     llm, tokens, logprobs = _generate(path, quantization, prompts, block_size=4)
-    assert calls[0] == 2 * 9  # 2 layers x 9 decode steps of all four sequences
+    assert calls[0] == 9  # 9 decode steps of all four sequences
     assert llm.stats()["num_used_blocks"] == 0
     monkeypatch.setattr(native_decode, "_kernel", lambda: None)
     _, expected_tokens, expected_logprobs = _generate(path, quantization, prompts, block_size=4)
@@ -62,7 +62,7 @@ def test_layers_the_kernel_does_not_cover_keep_the_torch_path(tmp_path, monkeypa
     calls = _count_calls(monkeypatch)
     llm, tokens, _ = _generate(path, None, random_prompts(2, 3, 8, seed=1))
     assert calls[0] == 0 and all(len(t) == 10 for t in tokens)
-    assert all(NativeDecoderLayer.of(layer) is None for layer in llm.engine.runner.model.model.layers)
+    assert NativeDecoder.of(llm.engine.runner.model.model.layers) is None
 
 
 def test_turboquant_and_float32_caches_keep_the_torch_path(tiny_llama, monkeypatch):
