@@ -28,7 +28,7 @@
 #define NV 4    // vectors of 16 tokens per tile
 #define TB (16 * NV)
 #define KC 128  // K steps per pass over a tile: a token block's KC x TB activations (32 KiB) stay in L1
-#define MC 48   // features per panel: MC x K widened weights, reused by every token block from L2
+#define MC 48   // features per panel (a multiple of 16 and of MR): MC x K widened weights, in L2
 
 static inline __m512 exp512(__m512 x) {  // Cephes expf: 2^n * p(r), |r| <= ln2/2
     x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-103.f));
@@ -201,23 +201,20 @@ static void gate_up_pass(const float *xp, int64_t blocks, int64_t m, int64_t h, 
 }
 
 // out[tokens[j]][f] += weights[j] * sums[f][j] for one token block's panel sums (row f at
-// sums + f * TB): 16 features x 16 tokens at a time through a register transpose.
+// sums + f * TB): 16 features x 16 tokens at a time through a register transpose. `features`
+// is a multiple of 16, as H and MC are.
 static void add_weighted(const float *sums, int64_t features, const int64_t *tokens, const float *weights,
                          int64_t count, float *out, int64_t h) {
-    for (int64_t f = 0; f < features; f += 16) {
-        int n = features - f < 16 ? (int)(features - f) : 16;
-        __mmask16 mask = (__mmask16)((1u << n) - 1);
+    for (int64_t f = 0; f < features; f += 16)
         for (int64_t j0 = 0; j0 < count; j0 += 16) {
             __m512 r[16];
-            for (int i = 0; i < 16; i++) r[i] = i < n ? _mm512_loadu_ps(sums + (f + i) * TB + j0) : _mm512_setzero_ps();
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(sums + (f + i) * TB + j0);
             transpose16(r);
             for (int j = 0; j < 16 && j0 + j < count; j++) {
                 float *dst = out + tokens[j0 + j] * h + f;
-                __m512 sum = _mm512_fmadd_ps(_mm512_set1_ps(weights[j0 + j]), r[j], _mm512_maskz_loadu_ps(mask, dst));
-                _mm512_mask_storeu_ps(dst, mask, sum);
+                _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_set1_ps(weights[j0 + j]), r[j], _mm512_loadu_ps(dst)));
             }
         }
-    }
 }
 
 // out[tokens[j]][f] += weights[j] * (down row f . g_j); panels of output features split across threads.

@@ -5,14 +5,14 @@ One `SparseMoeBlock` replaces a dense MLP. The router scores every expert for ev
 experts' weights are stacked tensors, `gate_up_proj` [E, 2*I, H] and `down_proj` [E, H, I]
 (transformers 5's fused layout). Execution is grouped by expert: the (token, expert) pairs
 are sorted by expert, each expert runs once on all its tokens, and the weighted outputs
-are scatter-added back to their tokens. On a CPU without AMX, bf16 groups of at least
-UPCAST_MIN_TOKENS tokens run in float32 (as layers/linear.py does for dense layers), where
-float32 FMAs outrun bf16 dot products. With native kernels built (AVX-512, SiLU experts, H and
-I multiples of 16) each such group is one call of kernels/moe_expert.c: gather, gate/up GEMM,
+are scatter-added back to their tokens. On a CPU without AMX, large bf16 groups run in float32
+(as layers/linear.py does for dense layers), where float32 FMAs outrun bf16 dot products. With
+native kernels built (AVX-512, SiLU experts, H and I multiples of 16) each group of at least
+NATIVE_MIN_TOKENS tokens is one call of kernels/moe_expert.c: gather, gate/up GEMM,
 silu(gate) * up and the down GEMM in float32 on weights widened a panel at a time, the
 weighted sums added straight into one float32 output (1.1x the torch path below on the
-benchmark's experts, no weight copy kept). Otherwise the expert's bf16 weights are widened
-block by block into one small reused buffer for MKL's float32 GEMM, and the group's
+benchmark's experts, no weight copy kept). Otherwise groups of at least UPCAST_MIN_TOKENS
+widen the expert's bf16 weights block by block into one small reused buffer for MKL's float32 GEMM, and the group's
 activations stay float32 until the weighted sum is rounded back once. Smaller groups run in
 bf16 either way.
 Options of the same block cover the families:
@@ -43,6 +43,10 @@ from slipstream.platform import cpu_has_amx
 # GEMMs plus widening the weights overtake oneDNN's bf16 kernel at 48-64 tokens (1.07x at 64,
 # 1.3x at 128), so experts upcast from 64 rows where dense layers (linear.py) wait for 128.
 UPCAST_MIN_TOKENS = 64
+# kernels/moe_expert.c against the bf16 expert (one thread, Mixtral-shaped experts H=1024 I=2048,
+# weights from memory): 1.0x at 8 tokens, 1.4x at 16, 1.6x at 32, 1.8x at 64, so groups of 16
+# and more take the kernel, where the torch float32 path needs UPCAST_MIN_TOKENS.
+NATIVE_MIN_TOKENS = 16
 # Weight elements widened at a time into one reused buffer: 2 MiB of fp32 that stays in cache
 # for its GEMM, where a whole fp32 copy of each expert is written to memory and read back.
 # Measured as fast as or up to 3% faster than whole copies (1 MiB blocks were slower).
@@ -124,9 +128,9 @@ class Experts(nn.Module):
         order = ids.flatten().argsort(stable=True)  # pairs grouped by expert, expert 0 first
         token = order // k
         sizes = counts.tolist()  # one host sync per layer, not per expert
-        upcast = _upcasts(x) and max(sizes) >= UPCAST_MIN_TOKENS
-        if upcast and self.native_fits():
+        if _upcasts(x) and max(sizes) >= NATIVE_MIN_TOKENS and self.native_fits():
             return self.forward_native(x.contiguous(), weights.flatten()[order].float(), token, sizes)
+        upcast = _upcasts(x) and max(sizes) >= UPCAST_MIN_TOKENS
         xs = (x.float() if upcast else x)[token]
         ys = torch.empty_like(xs)
         buffer = torch.empty(max(WIDEN_BLOCK, *self.gate_up_proj.shape[2:], *self.down_proj.shape[2:])) if upcast else None
@@ -144,13 +148,13 @@ class Experts(nn.Module):
     @torch.no_grad()  # inference only: the kernel writes into `out`
     def forward_native(self, x: torch.Tensor, pair_weights: torch.Tensor, token: torch.Tensor,
                        sizes: list[int]) -> torch.Tensor:
-        """Groups of at least UPCAST_MIN_TOKENS through `native_expert` (float32 sums added into
+        """Groups of at least NATIVE_MIN_TOKENS through `native_expert` (float32 sums added into
         one float32 output), smaller ones through `expert` in bf16."""
         out = torch.zeros(x.shape, dtype=torch.float32)
         start = 0
         for e, n in enumerate(sizes):
             rows = slice(start, start + n)
-            if n >= UPCAST_MIN_TOKENS:
+            if n >= NATIVE_MIN_TOKENS:
                 native_expert(x, token[rows], pair_weights[rows], self.gate_up_proj[e], self.down_proj[e], out)
             elif n:
                 ys = self.expert(e, x[token[rows]]).float().mul_(pair_weights[rows].unsqueeze(1))

@@ -61,15 +61,14 @@ def test_silu_of_huge_gates_saturates():
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
-def moe_inputs(num_experts: int, hidden: int, width: int, tokens: int, top_k: int, hot_expert: int | None = None):
+def moe_inputs(num_experts: int, hidden: int, width: int, tokens: int, top_k: int, bias: list[float] | None = None):
+    torch.manual_seed(0)
     experts = Experts(num_experts, hidden, width).bfloat16()
     with torch.no_grad():
         experts.gate_up_proj.normal_(0, 0.3)
         experts.down_proj.normal_(0, 0.3)
     x = torch.randn(tokens, hidden).bfloat16()
-    scores = torch.randn(tokens, num_experts)
-    if hot_expert is not None:
-        scores[:, hot_expert] += 100  # every token's first choice
+    scores = torch.randn(tokens, num_experts) + torch.tensor(bias or [0.0] * num_experts)
     weights, ids = scores.softmax(-1).topk(top_k)
     return experts, x, weights, ids, torch.bincount(ids.flatten(), minlength=num_experts)
 
@@ -83,22 +82,26 @@ def moe_reference(experts, x, weights, ids):
     return out
 
 
-@pytest.mark.parametrize("hot_expert,num_experts", [(None, 4), (2, 4), (1, 6)],
-                         ids=["spread", "one-expert-takes-all", "empty-experts"])
-def test_moe_layer_runs_large_groups_natively(monkeypatch, hot_expert, num_experts):
-    """bf16 without AMX: groups of >= UPCAST_MIN_TOKENS go through the kernel, smaller ones
+@pytest.mark.parametrize("bias", [
+    [0.0] * 4,
+    [0.0, 0.0, 100.0, 0.0],  # expert 2 is every token's first choice
+    [0.0, 0.0, 0.0, -100.0, -1.5, 0.0],  # expert 3 gets no token, expert 4 a few (12)
+], ids=["spread", "one-expert-takes-all", "empty-and-small-experts"])
+def test_moe_layer_runs_large_groups_natively(monkeypatch, bias):
+    """bf16 without AMX: groups of >= NATIVE_MIN_TOKENS go through the kernel, smaller ones
     through the bf16 expert; the sum matches float32 up to bf16 rounding."""
     monkeypatch.setattr(moe, "cpu_has_amx", lambda: False)
     calls = []
     monkeypatch.setattr(moe, "native_expert", lambda x, token, *a: calls.append(len(token)) or native_expert(x, token, *a))
-    top_k = 1 if hot_expert is not None and num_experts == 6 else 2
-    experts, x, weights, ids, counts = moe_inputs(num_experts, 32, 48, 150, top_k, hot_expert)
+    experts, x, weights, ids, counts = moe_inputs(len(bias), 32, 48, 150, 2, bias)
     with torch.no_grad():
         out = experts(x, weights, ids, counts)
     sizes = counts.tolist()
-    assert calls == [n for n in sizes if n >= moe.UPCAST_MIN_TOKENS] and calls
-    if hot_expert is not None:
-        assert sizes[hot_expert] == 150 and (top_k == 2 or sizes.count(0) == num_experts - 1)
+    assert calls == [n for n in sizes if n >= moe.NATIVE_MIN_TOKENS]
+    if max(bias) > 0:
+        assert max(sizes) == 150
+    if min(bias) < 0:
+        assert sizes[3] == 0 and 0 < sizes[4] < moe.NATIVE_MIN_TOKENS, sizes
     expected = moe_reference(experts, x, weights, ids)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
