@@ -3,7 +3,8 @@
 // (`gemm_int8`: half the bytes to stream), or 4-bit codes in groups of 32 along K with a scale
 // and a minimum per group and column (`gemm_int4`: a quarter). Each format has its own inner
 // loop, below; what they share: W packed once in blocks of 16 output columns, register tiles
-// of a few rows by 32-64 columns whose sums stay in registers over K, tiles split across threads.
+// of a few rows by 16-64 columns whose sums stay in registers over K, each thread an equal share
+// of the columns.
 //
 // On CPUs without AMX, oneDNN's bf16 kernel and a vdpbf16ps kernel both top out near 75
 // GFLOP/s per core, while float32 FMAs reach 110-120: so W stays bf16 in memory (half the
@@ -13,6 +14,7 @@
 // the whole K loop; tiles of 64 columns are split across threads, each streaming its columns
 // of W once per MR rows (from cache after the first).
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -58,8 +60,12 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
 static inline __attribute__((always_inline)) void column_tile(const float *x, int64_t m, int64_t k, const uint16_t *w,
                                                               uint16_t *y, int64_t n, int nr) {
     int64_t i = 0;
-    if (nr != NR) {
-        for (; i < m; i += MR) tile(x + i * k, k, w, y + i * n, n, m - i < MR ? (int)(m - i) : MR, nr);
+    if (nr != NR) {  // a thread's last, narrower tile: row by row, its width a constant
+        for (; i < m; i++) switch (nr) {
+            case 3: tile(x + i * k, k, w, y + i * n, n, 1, 3); break;
+            case 2: tile(x + i * k, k, w, y + i * n, n, 1, 2); break;
+            default: tile(x + i * k, k, w, y + i * n, n, 1, 1);
+        }
         return;
     }
     for (; i + MR <= m; i += MR) tile(x + i * k, k, w, y + i * n, n, MR, NR);
@@ -70,6 +76,14 @@ static inline __attribute__((always_inline)) void column_tile(const float *x, in
         case 2: tile(x + i * k, k, w, y + i * n, n, 2, NR); break;
         case 1: tile(x + i * k, k, w, y + i * n, n, 1, NR); break;
     }
+}
+
+// The 16-column blocks [begin, end) of the calling thread: equal, contiguous shares, so that a
+// few hundred columns (an output projection of one decode row) still split evenly.
+static void thread_blocks(int64_t blocks, int64_t *begin, int64_t *end) {
+    int64_t thread = omp_get_thread_num(), count = omp_get_num_threads();
+    *begin = blocks * thread / count;
+    *end = blocks * (thread + 1) / count;
 }
 
 static float *widened_rows(const uint16_t *x, int64_t count) {
@@ -88,9 +102,13 @@ int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t 
               int threads) {
     float *xf = n % 16 ? NULL : widened_rows(x, m * k);
     if (!xf) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t col = 0; col < n; col += 16 * NR)
-        column_tile(xf, m, k, w_packed + col * k, y + col, n, n - col < 16 * NR ? (int)((n - col) / 16) : NR);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t begin, end;
+        thread_blocks(n / 16, &begin, &end);
+        for (int64_t b = begin; b < end; b += NR)
+            column_tile(xf, m, k, w_packed + b * 16 * k, y + b * 16, n, end - b < NR ? (int)(end - b) : NR);
+    }
     free(xf);
     return 0;
 }
@@ -159,9 +177,12 @@ static inline __attribute__((always_inline)) void column_tile_int8(const int16_t
                                                                    int64_t m, int64_t k, const int8_t *w,
                                                                    const float *scale, uint16_t *y, int64_t n, int nr) {
     int64_t i = 0;
-    if (nr != NR) {
-        for (; i < m; i += MR)
-            tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, m - i < MR ? (int)(m - i) : MR, nr);
+    if (nr != NR) {  // a thread's last, narrower tile: row by row, its width a constant
+        for (; i < m; i++) switch (nr) {
+            case 3: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 1, 3); break;
+            case 2: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 1, 2); break;
+            default: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 1, 1);
+        }
         return;
     }
     for (; i + MR <= m; i += MR) tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, MR, NR);
@@ -183,10 +204,14 @@ int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uin
         free(row_scale);
         return -1;
     }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t col = 0; col < n; col += 16 * NR)
-        column_tile_int8(xq, row_scale, m, k, w_packed + col * k, scale + col, y + col, n,
-                         n - col < 16 * NR ? (int)((n - col) / 16) : NR);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t begin, end;
+        thread_blocks(n / 16, &begin, &end);
+        for (int64_t b = begin; b < end; b += NR)
+            column_tile_int8(xq, row_scale, m, k, w_packed + b * 16 * k, scale + b * 16, y + b * 16, n,
+                             end - b < NR ? (int)(end - b) : NR);
+    }
     free(xq);
     free(row_scale);
     return 0;
@@ -253,10 +278,12 @@ static inline __attribute__((always_inline)) void column_tile_int4(const int16_t
         const int16_t *xr = xq + i * k;
         if (nr == 2 * NR4)
             tile_int4(xr, row_scale + i, xsum + i * groups, k, w, scale, low, y + i * n, n, 1, 2 * NR4);
+        else if (nr == 3)
+            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, scale, low, y + i * n, n, 1, 3);
         else if (nr == NR4)
             tile_int4(xr, row_scale + i, xsum + i * groups, k, w, scale, low, y + i * n, n, 1, NR4);
         else
-            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, scale, low, y + i * n, n, 1, nr);
+            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, scale, low, y + i * n, n, 1, 1);
     }
 }
 
@@ -276,10 +303,14 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
         xsum[r] = (float)total;
     }
     int width = m < MR4 ? 2 * NR4 : NR4;  // one row: wider tiles, more independent sums per step
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t col = 0; col < n; col += 16 * width)
-        column_tile_int4(xq, row_scale, xsum, m, k, w_packed + col * k / 2, scale + col * (k / GROUP),
-                         low + col * (k / GROUP), y + col, n, n - col < 16 * width ? (int)((n - col) / 16) : width);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t begin, end;
+        thread_blocks(n / 16, &begin, &end);
+        for (int64_t b = begin; b < end; b += width)
+            column_tile_int4(xq, row_scale, xsum, m, k, w_packed + b * 8 * k, scale + b * 16 * (k / GROUP),
+                             low + b * 16 * (k / GROUP), y + b * 16, n, end - b < width ? (int)(end - b) : width);
+    }
     free(xq);
     free(row_scale);
     return 0;

@@ -48,3 +48,28 @@ def test_native_quantized_gemm_equals_the_dequantized_product(method, rows, out_
         out = layer(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("method", [None, Int8Linear, Int4Linear])
+def test_every_thread_count_computes_the_same_columns(method, rows):
+    # 176 columns = 11 blocks of 16: uneven shares and narrow last tiles for 2 and 3 threads
+    torch.manual_seed(rows)
+    layer = Linear(128, 176, bias=False).bfloat16()
+    if method is None:
+        prepack_weights(layer)
+    else:
+        layer = method(layer)
+    x = torch.randn(rows, 128).bfloat16()
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            with torch.inference_mode():
+                outputs.append(layer(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    reference = F.linear(x.float(), layer.weight.float() if method is None else layer.dequantized(torch.float32))
+    torch.testing.assert_close(outputs[0].float(), reference, rtol=1e-2, atol=1e-2)
