@@ -8,7 +8,7 @@ import torch
 
 from slipstream import LLM, SamplingParams
 from slipstream.engine.sequence import Sequence
-from slipstream.layers.sampler import _apply_penalties
+from slipstream.layers.sampler import _apply_penalties, argmax
 from slipstream.outputs import RequestMetrics
 from tests.conftest import random_prompts
 
@@ -112,3 +112,13 @@ def test_n_returns_several_independent_samples(llm, prompts):
                        use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_argmax_picks_what_torch_picks_on_ties_and_nan():
+    rows = torch.randn(6, 1000)
+    rows[1, [7, 500]] = 10.0  # a tie: the first wins
+    rows[2, 300] = float("nan")  # NaN counts as the largest
+    rows[3] = float("-inf")
+    rows[4, 999] = float("inf")
+    assert torch.equal(argmax(rows), rows.argmax(-1))
+    assert argmax(rows).tolist()[1:3] == [7, 300]
