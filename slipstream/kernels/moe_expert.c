@@ -107,7 +107,6 @@ static inline __attribute__((always_inline)) void tile(const float *wp, const fl
         for (int v = 0; v < nv; v++) acc[i][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * TB + 16 * v);
     for (int64_t kb = 0; kb < kc / 16; kb++) {
         const float *w = wp + kb * mr * 16;
-#pragma GCC unroll 16
         for (int kk = 0; kk < 16; kk++) {
             const float *x = xp + (kb * 16 + kk) * TB;
             __m512 b[NV];

@@ -117,3 +117,20 @@ def test_without_native_kernels_the_torch_path_runs(monkeypatch):
         out = experts(x, weights, ids, counts)
     expected = moe_reference(experts, x, weights, ids)
     torch.testing.assert_close(out.float(), expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
+
+
+def test_threads_split_the_panels_without_changing_the_result():
+    """Two threads take alternate panels of each GEMM (and the token blocks of the packing)."""
+    hidden, width = 96, 96  # two panels of each GEMM
+    gate_up, down = expert_weights(hidden, width, seed=3)
+    x = torch.randn(300, hidden).bfloat16()
+    token, pair_weights = torch.randperm(300)[:200], torch.rand(200)
+    expected = reference(x, token, pair_weights, gate_up, down, torch.zeros(300, hidden))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = torch.zeros(300, hidden)
+        native_expert(x, token, pair_weights, gate_up, down, out)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
