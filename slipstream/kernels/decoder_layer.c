@@ -19,9 +19,9 @@
 
 enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 };
 
-// A linear layer's packed weight (layers/linear.py, layers/quantization.py): [n, k] in the
-// [N/16][K][16] layout; int8 has a float32 scale per column, int4 a scale and a minimum per
-// group and column.
+// A linear layer's weight [n, k] as gemm.c takes it (packed by layers/linear.py and
+// layers/quantization.py): int8 with a float32 scale per column, int4 with a scale and a
+// minimum per group and column.
 typedef struct {
     int32_t kind;
     const void *weight;
