@@ -2,10 +2,12 @@
 
 Single-stream decode reads every weight once per token, so its speed is bytes of weights
 over memory bandwidth: int8 halves the bytes of bf16, int4 quarters them. For those two
-methods activations stay in the model dtype and the multiply runs in PyTorch's own CPU
-kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which dequantize inside
-the GEMM. `w8a8` also quantizes activations (per token, at run time) so that batches run
-on the int8 GEMM, which is the fastest arithmetic this CPU has; it costs more quality.
+methods the multiply runs in the native GEMM (kernels/gemm.c: integer dot products against
+16-bit fixed-point activations, an error far below bf16's rounding of those activations)
+where it is built, else in PyTorch's own CPU kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`); either way the weights' quantization is the only one that
+counts. `w8a8` also quantizes activations to int8 (per token, at run time) so that batches
+run on the int8 GEMM, which is the fastest arithmetic this CPU has; it costs more quality.
 
 - int8: symmetric, one scale per output channel, w = q * s with q in [-127, 127].
 - int4: asymmetric groups of INT4_GROUP_SIZE input channels (the layout of GGUF's Q4_1),
