@@ -47,7 +47,8 @@ static inline __m512 exp512(__m512 x) {  // Cephes expf: 2^n * p(r), |r| <= ln2/
 }
 
 static inline __m512 silu_times(__m512 gate, __m512 up) {
-    __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+    __m512 one = _mm512_set1_ps(1.f);
+    __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
     return _mm512_mul_ps(_mm512_mul_ps(gate, sig), up);
 }
 

@@ -6,16 +6,17 @@ experts' weights are stacked tensors, `gate_up_proj` [E, 2*I, H] and `down_proj`
 (transformers 5's fused layout). Execution is grouped by expert: the (token, expert) pairs
 are sorted by expert, each expert runs once on all its tokens, and the weighted outputs
 are scatter-added back to their tokens. On a CPU without AMX, large bf16 groups run in float32
-(as layers/linear.py does for dense layers), where float32 FMAs outrun bf16 dot products. With
-native kernels built (AVX-512, SiLU experts, H and I multiples of 16) each group of at least
-NATIVE_MIN_TOKENS tokens is one call of kernels/moe_expert.c: gather, gate/up GEMM,
-silu(gate) * up and the down GEMM in float32 on weights widened a panel at a time, the
-weighted sums added straight into one float32 output (1.1x the torch path below on the
-benchmark's experts, no weight copy kept). Otherwise groups of at least UPCAST_MIN_TOKENS
-widen the expert's bf16 weights block by block into one small reused buffer for MKL's float32 GEMM, and the group's
-activations stay float32 until the weighted sum is rounded back once. Smaller groups run in
-bf16 either way.
-Options of the same block cover the families:
+(as layers/linear.py does for dense layers), where float32 FMAs outrun bf16 dot products:
+
+- with native kernels built (AVX-512; SiLU experts; H, I multiples of 16), each group of at
+  least NATIVE_MIN_TOKENS tokens is one call of kernels/moe_expert.c: gather, gate/up GEMM,
+  silu(gate) * up and down GEMM in float32 on weights widened a panel at a time, the weighted
+  sums added into one float32 output (no float32 copy of the weights is kept);
+- otherwise groups of at least UPCAST_MIN_TOKENS widen the expert's bf16 weights block by
+  block into one small reused buffer for MKL's float32 GEMM, and the group's activations stay
+  float32 until the weighted sum is rounded back once.
+
+Smaller groups run in bf16 either way. Options of the same block cover the families:
 
 - a shared expert that every token passes through, scaled by its own sigmoid gate (Qwen2-MoE);
 - Gemma 4's router: the router reads its own input (the pre-norm residual), RMS-normalised
@@ -194,8 +195,8 @@ def native_expert_fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     H and I multiples of 16."""
     available = kernels.function("moe_expert", "moe_expert_available", restype=ctypes.c_int)
     hidden, width = down.shape[-2:]
-    return (available is not None and available() == 1 and hidden % 16 == 0 and width % 16 == 0
-            and all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.device.type == "cpu" for w in (gate_up, down)))
+    laid_out = all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.device.type == "cpu" for w in (gate_up, down))
+    return available is not None and available() == 1 and hidden % 16 == 0 and width % 16 == 0 and laid_out
 
 
 def native_expert(x: torch.Tensor, token: torch.Tensor, pair_weights: torch.Tensor, gate_up: torch.Tensor,
@@ -204,7 +205,8 @@ def native_expert(x: torch.Tensor, token: torch.Tensor, pair_weights: torch.Tens
     expert (gate_up [2I, H], down [H, I]) on bf16 x [T, H] (kernels/moe_expert.c). `token` holds
     distinct int64 rows; `pair_weights` is float32; `out` is float32 [T, H]."""
     P, I32, I64 = kernels.PTR, kernels.I32, kernels.I64
-    kernel = kernels.function("moe_expert", "moe_expert_silu", P, P, P, I64, P, P, P, I64, I64, I32, restype=ctypes.c_int)
+    kernel = kernels.function("moe_expert", "moe_expert_silu", P, P, P, I64, P, P, P, I64, I64, I32,
+                              restype=ctypes.c_int)
     x, token, pair_weights = x.contiguous(), token.contiguous(), pair_weights.float().contiguous()
     hidden, width = down.shape
     status = kernel(x.data_ptr(), token.data_ptr(), pair_weights.data_ptr(), token.numel(), gate_up.data_ptr(),

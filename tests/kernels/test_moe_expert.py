@@ -92,7 +92,12 @@ def test_moe_layer_runs_large_groups_natively(monkeypatch, bias):
     through the bf16 expert; the sum matches float32 up to bf16 rounding."""
     monkeypatch.setattr(moe, "cpu_has_amx", lambda: False)
     calls = []
-    monkeypatch.setattr(moe, "native_expert", lambda x, token, *a: calls.append(len(token)) or native_expert(x, token, *a))
+
+    def recorded(x, token, *rest):
+        calls.append(len(token))
+        native_expert(x, token, *rest)
+
+    monkeypatch.setattr(moe, "native_expert", recorded)
     experts, x, weights, ids, counts = moe_inputs(len(bias), 32, 48, 150, 2, bias)
     with torch.no_grad():
         out = experts(x, weights, ids, counts)
