@@ -19,8 +19,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "bf16.h"
-
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
