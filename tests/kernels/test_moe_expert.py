@@ -28,11 +28,12 @@ def reference(x, token, pair_weights, gate_up, down, out):
     return out.index_add(0, token, pair_weights.unsqueeze(1) * ((F.silu(gate) * up) @ down.float().T))
 
 
-# hidden 80 = 48 + 32: a last feature panel of 5 full tiles and one of 2 rows; width 80 = 3 x 24 + 8:
-# a last gate/up panel of 3 + 3 + 2 gate rows. Tokens: one, 15/16/17 around a vector, 63/64/65
+# Panels hold 144 features (72 gate + 72 up rows). hidden 160 = 144 + 16: a last down panel of
+# two 6-row tiles and one of 4; width 80 = 72 + 8 and 160 = 2 x 72 + 16: last gate/up panels
+# ending in a tile of 2 and of 1 gate row(s). Tokens: one, 15/16/17 around a vector, 63/64/65
 # around a block of 64, and 130 = two full blocks and a last block of 2.
 @pytest.mark.parametrize("tokens", [1, 15, 16, 17, 63, 64, 65, 130])
-@pytest.mark.parametrize("hidden,width", [(48, 48), (80, 80), (32, 160)])
+@pytest.mark.parametrize("hidden,width", [(48, 48), (160, 80), (32, 160)])
 def test_expert_equals_float32_computation(tokens, hidden, width):
     gate_up, down = expert_weights(hidden, width, seed=tokens)
     g = torch.Generator().manual_seed(100 + tokens)
@@ -126,7 +127,7 @@ def test_without_native_kernels_the_torch_path_runs(monkeypatch):
 
 def test_threads_split_the_panels_without_changing_the_result():
     """Two threads take alternate panels of each GEMM (and the token blocks of the packing)."""
-    hidden, width = 96, 96  # two panels of each GEMM
+    hidden, width = 160, 160  # two or three panels of each GEMM
     gate_up, down = expert_weights(hidden, width, seed=3)
     x = torch.randn(300, hidden).bfloat16()
     token, pair_weights = torch.randperm(300)[:200], torch.rand(200)
