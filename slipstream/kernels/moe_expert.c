@@ -9,13 +9,14 @@
 // tiles read, and the rest happens in the tiles' epilogues.
 //
 // Orientation: weights are the broadcast operand and tokens lie along the vectors, so packing
-// a weight row is a plain widening (no transpose): MR rows at a time as [K/16][MR][16] float32,
-// one sequential stream. Activations are packed token-major per block of TB tokens,
-// [block][K][TB]. A tile (MR features x TB tokens, 24 registers of sums) runs KC steps of K at a
-// time, so that the block's KC x TB activations stay in L1 while the MC/MR tiles of a panel
-// (MC weight rows, in L2) pass over them. The gate/up tile takes MR/2 gate rows and the matching
-// up rows, so its epilogue writes silu(gate) * up straight into the down GEMM's packed input;
-// the down epilogue adds the weighted sums into `out`. Threads split the panels of each GEMM.
+// a weight row is a plain widening (no transpose): MR rows at a time as [K/16][MR][16] float32.
+// Activations are packed token-major per block of TB tokens, [block][K][TB]. A tile (MR
+// features x TB tokens, 24 registers of sums) runs KC steps of K at a time, so that the
+// block's KC x TB activations stay in L1 while the MC/MR tiles of a panel pass over them; the
+// panel's MC weight rows are widened KC steps at a time, a slice that stays in L2 whatever K.
+// The gate/up tile takes MR/2 gate rows and the matching up rows, so its epilogue writes
+// silu(gate) * up straight into the down GEMM's packed input; the down epilogue adds the
+// weighted sums into `out`. Threads split the panels of each GEMM.
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -26,8 +27,8 @@
 #define NV 4    // vectors of 16 tokens per tile
 #define TB (16 * NV)
 #define KC 128  // K steps per pass over a tile: a token block's KC x TB activations (32 KiB) stay in L1
-// features per panel (a multiple of 16 and of MR): MC x K widened weights, in L2. 144 rather
-// than 48: more tiles share each L1 block of activations, +2-5% prefill (A/B, three runs).
+// features per panel (a multiple of 16 and of MR). 144 rather than 48: more tiles share each
+// L1 block of activations, +2-5% prefill (A/B, three runs).
 #define MC 144
 
 static inline __m512 exp512(__m512 x) {  // Cephes expf: 2^n * p(r), |r| <= ln2/2
@@ -152,18 +153,26 @@ static inline void run_tile(const float *wp, const float *xp, int64_t kc, int mr
 static inline int64_t block_tokens(int64_t m, int64_t b) { return m - b * TB < TB ? m - b * TB : TB; }
 static inline int vectors(int64_t count) { return (int)((count + 15) / 16); }
 
-// One panel of up to MC features (tiles of mr_of(t) rows, packed in wp one after another, each
-// MR * k floats apart) times every token block of xp ([block][k][TB]): sums in c[block][tile][MR][TB].
-static void panel(const float *wp, int tiles, int last_rows, const float *xp, int64_t blocks, int64_t m, int64_t k,
-                  float *c) {
+// One panel of up to MC features: the bf16 weight rows of tile t at rows[t * MR ...] (MR rows,
+// last_rows in the last tile) times every token block of xp ([block][k][TB]), sums in
+// c[block][tile][MR][TB]. The rows are widened KC steps at a time into wp ([tile][KC/16][mr][16]),
+// so that the widened slice stays in L2 while every token block passes over it.
+static void panel(const uint16_t *const *rows, int tiles, int last_rows, const float *xp, int64_t blocks, int64_t m,
+                  int64_t k, float *wp, float *c) {
     for (int64_t pc = 0; pc < k; pc += KC) {
         int64_t kc = k - pc < KC ? k - pc : KC;
+        for (int t = 0; t < tiles; t++) {
+            const uint16_t *slice[MR];
+            int mr = t == tiles - 1 ? last_rows : MR;
+            for (int i = 0; i < mr; i++) slice[i] = rows[t * MR + i] + pc;
+            pack_rows(slice, mr, kc, wp + t * MR * KC);
+        }
         for (int64_t b = 0; b < blocks; b++) {
             int nv = vectors(block_tokens(m, b));
             for (int t = 0; t < tiles; t++) {
                 int mr = t == tiles - 1 ? last_rows : MR;
-                run_tile(wp + t * MR * k + pc * mr, xp + (b * k + pc) * TB, kc, mr, nv,
-                         c + (b * (MC / MR) + t) * MR * TB, pc == 0);
+                run_tile(wp + t * MR * KC, xp + (b * k + pc) * TB, kc, mr, nv, c + (b * (MC / MR) + t) * MR * TB,
+                         pc == 0);
             }
         }
     }
@@ -178,15 +187,17 @@ static void gate_up_pass(const float *xp, int64_t blocks, int64_t m, int64_t h, 
     for (int64_t f0 = 0; f0 < inter; f0 += MC / 2) {
         int64_t features = inter - f0 < MC / 2 ? inter - f0 : MC / 2;
         int tiles = (int)((features + half - 1) / half), last_rows = 0;
+        const uint16_t *rows[MC];
         for (int t = 0; t < tiles; t++) {
             int64_t f = f0 + t * half;
             int n = inter - f < half ? (int)(inter - f) : half;
-            const uint16_t *rows[MR];
-            for (int i = 0; i < n; i++) rows[i] = gate_up + (f + i) * h, rows[n + i] = gate_up + (inter + f + i) * h;
-            pack_rows(rows, 2 * n, h, wp + t * MR * h);
+            for (int i = 0; i < n; i++) {
+                rows[t * MR + i] = gate_up + (f + i) * h;
+                rows[t * MR + n + i] = gate_up + (inter + f + i) * h;
+            }
             last_rows = 2 * n;
         }
-        panel(wp, tiles, last_rows, xp, blocks, m, h, c);
+        panel(rows, tiles, last_rows, xp, blocks, m, h, wp, c);
         for (int64_t b = 0; b < blocks; b++)
             for (int t = 0; t < tiles; t++) {
                 const float *sums = c + (b * (MC / MR) + t) * MR * TB;
@@ -224,13 +235,9 @@ static void down_pass(const float *gp, int64_t blocks, int64_t m, int64_t inter,
     for (int64_t f0 = 0; f0 < h; f0 += MC) {
         int64_t features = h - f0 < MC ? h - f0 : MC;
         int tiles = (int)((features + MR - 1) / MR), last_rows = (int)(features - (tiles - 1) * MR);
-        for (int t = 0; t < tiles; t++) {
-            int n = t == tiles - 1 ? last_rows : MR;
-            const uint16_t *rows[MR];
-            for (int i = 0; i < n; i++) rows[i] = down + (f0 + t * MR + i) * inter;
-            pack_rows(rows, n, inter, wp + t * MR * inter);
-        }
-        panel(wp, tiles, last_rows, gp, blocks, m, inter, c);
+        const uint16_t *rows[MC];
+        for (int f = 0; f < features; f++) rows[f] = down + (f0 + f) * inter;
+        panel(rows, tiles, last_rows, gp, blocks, m, inter, wp, c);
         for (int64_t b = 0; b < blocks; b++)
             add_weighted(c + b * MC * TB, features, tokens + b * TB, weights + b * TB, block_tokens(m, b), out + f0, h);
     }
@@ -249,7 +256,7 @@ int moe_expert_silu(const uint16_t *x, const int64_t *tokens, const float *weigh
     int failed = !xp || !gp;
 #pragma omp parallel num_threads(threads) if (!failed)
     {
-        float *wp = failed ? NULL : aligned_alloc(64, sizeof(float) * MC * (h > inter ? h : inter));
+        float *wp = failed ? NULL : aligned_alloc(64, sizeof(float) * MC * KC);
         float *c = wp ? aligned_alloc(64, sizeof(float) * blocks * MC * TB) : NULL;
         if (!c) {
 #pragma omp atomic write
