@@ -1,6 +1,6 @@
 """Linear layers that pick the faster bf16 GEMM on CPUs without AMX.
 
-Measured on a Zen 5 core (AVX512-BF16, no AMX), torch 2.13, CPU time of one thread:
+Measured on one core of the development machine (AVX512-BF16, no AMX), torch 2.13, CPU time of one thread:
 - large batches (prefill chunks, big expert groups): oneDNN's bf16 GEMM runs at 71-77
   GFLOP/s against ~125 for fp32, so batches of at least UPCAST_MIN_ROWS rows upcast to
   fp32 for the multiply (1.3-1.75x faster at 128-1024 rows, same fp32 accumulation,

@@ -40,7 +40,7 @@ from slipstream import kernels
 from slipstream.layers.linear import Linear, linear
 from slipstream.platform import cpu_has_amx
 
-# Measured on Zen 5 (AVX512-BF16, no AMX), one expert whose weights come from memory: fp32
+# Measured on the development machine (AVX512-BF16, no AMX), one expert whose weights come from memory: fp32
 # GEMMs plus widening the weights overtake oneDNN's bf16 kernel at 48-64 tokens (1.07x at 64,
 # 1.3x at 128), so experts upcast from 64 rows where dense layers (linear.py) wait for 128.
 UPCAST_MIN_TOKENS = 64

@@ -71,7 +71,7 @@ class W8A8Linear(nn.Module):
     """int8 weights (per channel) times int8 activations (per token, scaled at run time).
 
     The int8 x int8 -> int32 GEMM (`torch._int_mm`, AVX512-VNNI) measured ~450 GOP/s per
-    Zen 5 core against ~125 GFLOP/s for fp32 and ~72 for bf16, so compute-bound batches
+    core of the development machine against ~125 GFLOP/s for fp32 and ~72 for bf16, so compute-bound batches
     (prefill, batched decode) run several times faster than any float path here.
     """
 
