@@ -11,8 +11,8 @@
 // bytes to stream) and is widened to float32 in registers, x is widened once per call.
 // bf16 W is packed once (layers/linear.py) as [N/16][K][16]: each K step of 16 output columns
 // is one 32-byte load. A tile of MR rows x 64 columns keeps its 4*MR sums in registers over
-// the whole K loop; tiles of 64 columns are split across threads, each streaming its columns
-// of W once per MR rows (from cache after the first).
+// the whole K loop; each thread streams its share of W's columns once per MR rows (from cache
+// after the first).
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -226,7 +226,7 @@ int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uin
 // total as sum * scale + (sum of the group's xq) * low. scale, low: [N/16][K/GROUP][16] float32.
 #define GROUP 32
 #define MR4 4
-#define NR4 2  // 16-column blocks per tile with several rows; one row takes 4 (more independent sums)
+#define NR4 2  // 16-column blocks per tile of MR4 rows; fewer rows take twice as many (more independent sums)
 
 static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, const float *row_scale,
                                                             const float *xsum, int64_t k, const uint8_t *w,
@@ -302,7 +302,7 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
         for (int t = 0; t < GROUP; t++) total += xq[r * GROUP + t];
         xsum[r] = (float)total;
     }
-    int width = m < MR4 ? 2 * NR4 : NR4;  // one row: wider tiles, more independent sums per step
+    int width = m < MR4 ? 2 * NR4 : NR4;
 #pragma omp parallel num_threads(threads)
     {
         int64_t begin, end;
