@@ -96,5 +96,5 @@ def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | N
         gemm = kernels.function("gemm", "gemm_int4", P, P, P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
         status = gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), low.data_ptr(), *args)
     if status != 0:  # shapes were checked when packing; what is left is a failed allocation
-        raise MemoryError(f"native GEMM could not allocate its {x.shape[0]}x{k} float32 input copy")
+        raise MemoryError(f"native GEMM could not allocate its copy of the {x.shape[0]}x{k} input")
     return out
