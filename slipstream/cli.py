@@ -88,17 +88,9 @@ def _print_stats(output, elapsed: float) -> None:
           f"TPOT {tpot}, {n / elapsed:.1f} tok/s]", file=sys.stderr)
 
 
-def chat_prompt(engine: LLMEngine, messages: list[dict]) -> list[int]:
-    tokenizer = engine.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"model {engine.config.model!r} has no chat template")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
 def cmd_generate(args: argparse.Namespace) -> None:
     engine = LLMEngine(engine_config(args))
-    prompt = chat_prompt(engine, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = engine.processor.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     stream(engine, prompt, sampling_params(args))
 
 
@@ -114,7 +106,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not user:
             break
         messages.append({"role": "user", "content": user})
-        reply = stream(engine, chat_prompt(engine, messages), sampling_params(args))
+        reply = stream(engine, engine.processor.render_chat(messages), sampling_params(args))
         messages.append({"role": "assistant", "content": reply})
 
 

@@ -28,6 +28,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +64,12 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop_list), "stop", self.stop, "a non-empty string or a list of them")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "a list of non-negative token ids")
+        _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())),
+            "logit_bias", self.logit_bias, "None or a dict of token id -> bias in [-100, 100]")
+        _check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                                                  and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+               "allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= 20), name, value, "None or an integer in [0, 20]")

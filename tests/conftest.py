@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slipstream.attention.metadata import AttentionMetadata, leading_decodes
 from slipstream.loader.registry import resolve_model_path
 
 TINY_VOCAB = 384
@@ -75,3 +76,16 @@ def random_prompts(n: int, low: int, high: int, seed: int = 0, vocab: int = TINY
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def step_metadata(query_lens: list[int], context_lens: list[int], block_tables, slot_mapping) -> AttentionMetadata:
+    """A step's attention metadata as the runner builds it, rows with one query first;
+    block_tables is a [B, W] tensor or one list per row (padded with 0)."""
+    if not isinstance(block_tables, torch.Tensor):
+        width = max(map(len, block_tables))
+        block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables])
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(torch.as_tensor(slot_mapping), torch.tensor(starts), torch.tensor(context_lens),
+                             block_tables, leading_decodes(query_lens), starts, list(context_lens))

@@ -66,12 +66,14 @@ def small(tiny_llama):
     (list(range(3, 40)), SamplingParams(max_tokens=40), "exceeds max_model_len \\(64\\)"),
     (list(range(3, 30)), SamplingParams(max_tokens=30), "can never fit in the KV cache \\(3 blocks = 48 tokens\\)"),
     ([], None, "prompt is empty"),
-    ([5, 100000], None, "prompt token id\\(s\\) \\[100000\\] out of range; allowed: 0..383"),
-    ([5, 6], SamplingParams(stop_token_ids=[400], min_tokens=1), "stop_token_ids\\(s\\) \\[400\\] out of range"),
+    ([5, 100000], None, "prompt: token id\\(s\\) \\[100000\\] out of range; allowed: 0..383"),
+    ([5, 6], SamplingParams(stop_token_ids=[400], min_tokens=1), "stop_token_ids: token id\\(s\\) \\[400\\] out of range"),
+    ([5, 6], SamplingParams(logit_bias={384: 5.0}), "logit_bias: token id\\(s\\) \\[384\\] out of range"),
+    ([5, 6], SamplingParams(allowed_token_ids=[3, 999]), "allowed_token_ids: token id\\(s\\) \\[999\\] out of range"),
     ("text", None, "no tokenizer files"),
     ({"a": 1}, None, "prompt must be a string or a list of token ids"),
 ], ids=["longer-than-model", "plus-max-tokens", "cache-too-small", "empty", "bad-token", "bad-stop-token",
-        "no-tokenizer", "bad-type"])
+        "bad-bias-token", "bad-allowed-token", "no-tokenizer", "bad-type"])
 def test_requests_that_can_never_run_are_rejected(small, prompt, params, message):
     good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     with pytest.raises(ValueError, match=message):

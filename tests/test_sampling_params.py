@@ -11,6 +11,8 @@ INVALID = [
     ("repetition_penalty", 0.0), ("max_tokens", 0), ("max_tokens", -5), ("min_tokens", -1), ("n", 0),
     ("seed", 1.5), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]), ("logprobs", 21),
     ("logprobs", -1), ("prompt_logprobs", 100), ("temperature", float("nan")),
+    ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", [5]),
+    ("allowed_token_ids", []), ("allowed_token_ids", [1, -2]), ("allowed_token_ids", 7),
 ]
 
 

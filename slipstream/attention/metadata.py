@@ -1,12 +1,15 @@
-"""AttentionMetadata: the per-step description of a mixed batch, set once before the forward.
+"""AttentionMetadata: the per-step description of a batch, set once before the forward.
 
-Tokens of a step are laid out decode tokens first (one per decoding sequence), then the
-prefill chunks one after another. The model runner builds this object and installs it with
-`set_metadata`; attention layers read it with `get_metadata`, so `forward(x)` signatures
-stay free of batch bookkeeping.
+A step is a list of rows, one per sequence, each with any number of new tokens (query
+lengths vary: varlen). The model runner puts rows with exactly one new token first, so
+that decode kernels take tokens [0, num_decodes) as one batch; every other row (a prompt
+chunk, or several tokens to verify) attends over its cached prefix and itself. The runner
+installs the metadata with `use_metadata`; attention layers read it with `get_metadata`,
+so `forward(x)` signatures stay free of batch bookkeeping.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -15,7 +18,7 @@ import torch
 
 @dataclass
 class PrefillChunk:
-    """One sequence's chunk of new tokens: queries [start, start+length) of the step."""
+    """One row with several new tokens: queries [start, start+length) of the step."""
 
     start: int
     length: int
@@ -25,13 +28,41 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor            # [T] cache slot of each new token
-    num_decode_tokens: int                # decode queries are rows [0, num_decode_tokens)
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks] long (padded with 0)
-    decode_context_lens: torch.Tensor | None  # [B] long
-    prefills: list[PrefillChunk]
+    slot_mapping: torch.Tensor     # [T] cache slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] row i's queries are tokens [query_start_loc[i], query_start_loc[i+1])
+    seq_lens: torch.Tensor         # [B] tokens with K/V once this step is done
+    block_table: torch.Tensor      # [B, W] long, contiguous; entries past a row's blocks are 0
+    num_decodes: int               # rows [0, num_decodes) have one query each
+    query_start: list[int]         # query_start_loc on the host
+    context_lens: list[int]        # seq_lens on the host
     # per-step values every layer would otherwise recompute, keyed by what they depend on
     step_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def decode_block_tables(self) -> torch.Tensor:
+        return self.block_table[:self.num_decodes]
+
+    @property
+    def decode_context_lens(self) -> torch.Tensor:
+        return self.seq_lens[:self.num_decodes]
+
+    def narrow_decode_tables(self, block_size: int) -> torch.Tensor:
+        """The decode rows' block tables cut to the blocks of their longest context: torch paths
+        gather every column, and a long prefill row in the same step widens the table."""
+        longest = max(self.context_lens[:self.num_decodes])
+        return self.decode_block_tables[:, :-(-longest // block_size)]
+
+    @functools.cached_property
+    def prefills(self) -> list[PrefillChunk]:
+        """The rows after the decodes, each as its chunk of queries."""
+        starts = self.query_start
+        return [PrefillChunk(starts[i], starts[i + 1] - starts[i], self.context_lens[i], self.block_table[i])
+                for i in range(self.num_decodes, len(self.context_lens))]
+
+
+def leading_decodes(query_lens: list[int]) -> int:
+    """How many rows at the front have exactly one query."""
+    return next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
 
 
 _current: AttentionMetadata | None = None

@@ -29,7 +29,7 @@ def _kernel():
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    n = meta.num_decode_tokens
+    n = meta.num_decodes
     if not n:
         return reference.paged_attention(q, k, v, cache, meta, scale, sliding_window)
     cache.write(k, v, meta.slot_mapping)

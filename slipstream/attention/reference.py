@@ -19,7 +19,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     """q: [T, Hq, D], k/v: [T, Hk, D] for the step's new tokens. Returns [T, Hq, D]."""
     cache.write(k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    n = meta.num_decode_tokens
+    n = meta.num_decodes
     if n:
         out[:n] = decode(q[:n], cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
@@ -30,7 +30,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
 
 def decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
             window: int | None) -> torch.Tensor:
-    keys, values = cache.gather_batch(meta.decode_block_tables, q.dtype)  # [Hk, B, L, D]
+    keys, values = cache.gather_batch(meta.narrow_decode_tables(cache.block_size), q.dtype)  # [Hk, B, L, D]
     batch, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[0]
     # heads lead the batch dims so that every matmul operand is contiguous

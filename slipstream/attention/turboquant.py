@@ -39,7 +39,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tu
     if cache.window is not None:
         _stage(cache.window, k, v, meta)
     out = torch.empty_like(q)
-    n = meta.num_decode_tokens
+    n = meta.num_decodes
     if n:
         out[:n] = _decode(q[:n], k[:n], v[:n], cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
@@ -62,17 +62,9 @@ def _calibration_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
 
 def _stage(window: RecentWindow, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Mirror new tokens whose block stays in its sequence's window; keep every window's blocks."""
-    ends, tables, lengths = [], [], []
-    if meta.num_decode_tokens:
-        ends += meta.decode_context_lens.tolist()
-        tables += list(meta.decode_block_tables)
-        lengths += [1] * meta.num_decode_tokens
-    for chunk in meta.prefills:
-        ends.append(chunk.context_len)
-        tables.append(chunk.block_table)
-        lengths.append(chunk.length)
     active, in_window = [], []
-    for end, table, length in zip(ends, tables, lengths):
+    for row, end in enumerate(meta.context_lens):
+        length, table = meta.query_start[row + 1] - meta.query_start[row], meta.block_table[row]
         first, sinks = window.first_block(end), window.sink_blocks
         active += table[:min(sinks, first)].tolist() + table[first:math.ceil(end / window.block_size)].tolist()
         in_window += [not sinks <= p // window.block_size < first for p in range(end - length, end)]
@@ -85,6 +77,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuant
     qg = q.view(n, cache.k.shape[2], -1, q.shape[-1])  # [B, Hk, G, D]
     out = _native_decode(qg, k, v, cache, tables, lens, scale, window)
     if out is None:
+        tables = meta.narrow_decode_tables(cache.block_size)
         keys, values = cache.codes_by_head(tables)  # [B, Hk, L, nbytes]
         visible = reference.decode_mask(keys.shape[2], lens, window)  # [B, L]
         dense = None

@@ -106,6 +106,11 @@ class AsyncLLMEngine:
         self._die(EngineDeadError("the server is shutting down"))
 
     @property
+    def processor(self):
+        """The engine's InputProcessor (tokenizer, chat template, token-id checks): safe from any thread."""
+        return self.engine.processor
+
+    @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 

@@ -1,12 +1,13 @@
 """LLMEngine: add_request / step / abort_request over the scheduler and the model runner.
 
-One `step()` schedules a batch, runs the model once, appends the sampled tokens, checks
-stop conditions, frees finished sequences and registers newly filled blocks in the prefix
-cache. It returns a RequestOutput (cumulative so far) for every request that progressed.
+One `step()` schedules a batch (a SchedulerOutput), runs the model once on it, appends the
+sampled tokens, checks stop conditions, frees finished sequences and registers newly
+filled blocks in the prefix cache. It returns a RequestOutput (cumulative so far) for every
+request that progressed. Inputs are validated by the InputProcessor, outputs built by the
+OutputProcessor.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -15,19 +16,22 @@ import torch
 
 from slipstream.config import EngineConfig
 from slipstream.engine.block_manager import BlockManager
-from slipstream.engine.detokenizer import Detokenizer, check_stop
-from slipstream.engine.model_runner import ModelRunner, StepOutput
+from slipstream.engine.output import OutputProcessor
+from slipstream.engine.processor import InputProcessor
 from slipstream.engine.request import Request
 from slipstream.engine.scheduler import Scheduler
+from slipstream.engine.scheduler_output import SchedulerOutput
 from slipstream.engine.sequence import Sequence
 from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.calibration import MAX_TOKENS as CALIBRATION_TOKENS, calibration_text
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
+from slipstream.layers.logits_processors import default_processors
 from slipstream.layers.sampler import Sampler
 from slipstream.loader.model_loader import load_model
-from slipstream.outputs import Logprob, RequestMetrics, RequestOutput
+from slipstream.outputs import RequestMetrics, RequestOutput
 from slipstream.platform import resolve_device, resolve_dtype
 from slipstream.sampling_params import SamplingParams
+from slipstream.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger("slipstream")
 
@@ -39,7 +43,6 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.dtype, self.device, config.quantization)
-        self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_cache = self._allocate_kv_cache(loaded.model)
@@ -47,8 +50,12 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(self.model_config.eos_token_ids), self.device)
-        self.detokenizer = Detokenizer(self.tokenizer)
+        eos = self.model_config.eos_token_ids
+        self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(default_processors(eos)), self.device,
+                                  config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                        self.kv_cache.num_blocks, config.block_size)
+        self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._last_log = time.monotonic()
         if self.kv_cache.needs_calibration:
@@ -88,50 +95,12 @@ class LLMEngine:
         """Validate and queue a request; a request that can never run is rejected here."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = params or SamplingParams()
-        prompt_text, token_ids = self._tokenize(prompt)
-        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
-        params = self._resolve_max_tokens(params, len(token_ids))
+        prompt_text, token_ids, params = self.processor.process(prompt, params or SamplingParams())
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         seqs = [Sequence(request_id, token_ids, params, metrics, i, cache_salt) for i in range(params.n)]
         self.requests[request_id] = Request(request_id, prompt_text, token_ids, params, seqs, metrics)
         for seq in seqs:
             self.scheduler.add(seq)
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer files; pass the prompt as a list of token ids")
-            token_ids = self.tokenizer(prompt).input_ids
-            text = prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids, text = list(prompt), None
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty; it must contain at least one token")
-        self._check_token_ids(token_ids, "prompt token id")
-        return text, token_ids
-
-    def _check_token_ids(self, token_ids: list[int], what: str) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{what}(s) {bad[:5]} out of range; allowed: 0..{vocab - 1}")
-
-    def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise ValueError(f"prompt has {prompt_len} tokens; max_model_len is {limit}, so at most {limit - 1} fit")
-        capacity = self.kv_cache.num_blocks * self.config.block_size
-        max_tokens = params.max_tokens or min(limit, capacity) - prompt_len  # None: as much as can ever fit
-        if prompt_len + max_tokens > limit:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
-                             f"exceeds max_model_len ({limit})")
-        if prompt_len + max_tokens > capacity:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) can never fit in the KV cache "
-                             f"({self.kv_cache.num_blocks} blocks = {capacity} tokens); raise kv_cache_memory")
-        return params if params.max_tokens == max_tokens else dataclasses.replace(params, max_tokens=max_tokens)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
@@ -150,26 +119,26 @@ class LLMEngine:
     # --- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
         now = time.monotonic()
-        for seq in scheduled:
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = now
+        for s in scheduled.scheduled:
+            metrics = self.scheduler.sequences[s.seq_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
         result = self.runner.execute(scheduled)
         progressed = self._update(scheduled, result)
         self._maybe_log_stats()
         return [self._request_output(r) for r in progressed]
 
-    def _update(self, scheduled: dict[Sequence, int], result: StepOutput) -> list[Request]:
+    def _update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         now = time.monotonic()
         progressed: dict[str, Request] = {}
-        for seq, n in scheduled.items():
-            seq.num_computed_tokens += n
+        for s in scheduled.scheduled:
+            seq = self.scheduler.sequences[s.seq_id]
+            seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            if seq in result.prompt_logprobs:
-                seq.prompt_logprobs.extend(self._logprob_dict(*p) for p in result.prompt_logprobs[seq])
-            sample = result.sampled.get(seq)
+            if s.seq_id in result.prompt_logprobs:
+                seq.prompt_logprobs.extend(self.output_processor.logprob_entries(*e)
+                                           for e in result.prompt_logprobs[s.seq_id])
+            sample = result.sampled.get(s.seq_id)
             if sample is None:
                 continue
             self._append(seq, sample, now)
@@ -177,23 +146,13 @@ class LLMEngine:
         return list(progressed.values())
 
     def _append(self, seq: Sequence, sample, now: float) -> None:
-        seq.append_token(sample.token_id)
+        self.output_processor.append(seq, sample)
         metrics = seq.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
         metrics.num_generation_tokens = max(metrics.num_generation_tokens, seq.num_output_tokens)
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_dict(sample.token_id, sample.logprob, sample.rank, sample.top))
-            seq.cumulative_logprob += sample.logprob
-        new_text = self.detokenizer.step(seq)
-        check_stop(seq, new_text, self.model_config.eos_token_ids, self.max_model_len)
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
-
-    def _logprob_dict(self, token_id: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict:
-        entries = {t: Logprob(v, i + 1, self.detokenizer.decode_token(t)) for i, (t, v) in enumerate(top)}
-        entries[token_id] = Logprob(logprob, rank, self.detokenizer.decode_token(token_id))
-        return entries
 
     def _request_output(self, request: Request) -> RequestOutput:
         if request.finished:

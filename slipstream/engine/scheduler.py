@@ -6,12 +6,17 @@ waiting ones admitted in arrival order while `max_num_seqs` allows. When a runni
 sequence needs a block and none is free, the newest running sequence is preempted: its
 blocks are freed and it returns to the front of the queue, to be recomputed later
 (reusing whatever of its prefix is still cached).
+
+The step leaves as a `SchedulerOutput` (data); the scheduler remembers how much of each
+sequence the runner already knows, so that only new sequences, new blocks and finished
+sequences are sent.
 """
 from __future__ import annotations
 
 from collections import deque
 
 from slipstream.engine.block_manager import BlockManager
+from slipstream.engine.scheduler_output import NewSequence, ScheduledSequence, SchedulerOutput
 from slipstream.engine.sequence import Sequence, SequenceStatus
 
 
@@ -22,16 +27,18 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.sequences: dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
         self.num_preemptions = 0
+        self._blocks_sent: dict[int, int] = {}  # seq_id -> leading block ids the runner has
+        self._resumed: set[int] = set()
+        self._finished: list[int] = []
 
     def add(self, seq: Sequence) -> None:
+        self.sequences[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def schedule(self) -> dict[Sequence, int]:
-        """Sequences to run this step, each with its number of new tokens."""
+    def schedule(self) -> SchedulerOutput:
+        """This step's sequences, each with its number of new tokens."""
         scheduled: dict[Sequence, int] = {}
         preemptions_before = self.num_preemptions
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
@@ -47,7 +54,21 @@ class Scheduler:
                 scheduled[seq] = n
         if self.num_preemptions == preemptions_before:  # no memory to spare after a preemption
             self._admit_waiting(scheduled, self._budget_left(scheduled))
-        return scheduled
+        return self._output(scheduled)
+
+    def _output(self, scheduled: dict[Sequence, int]) -> SchedulerOutput:
+        out = SchedulerOutput(finished_seq_ids=self._finished)
+        self._finished = []
+        for seq, n in scheduled.items():
+            sent = self._blocks_sent.get(seq.seq_id)
+            if sent is None:
+                out.new_sequences.append(NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
+                                                     seq.params, seq.index))
+            out.scheduled.append(ScheduledSequence(seq.seq_id, n, seq.num_computed_tokens, seq.block_table[sent or 0:],
+                                                   seq.seq_id in self._resumed))
+            self._resumed.discard(seq.seq_id)
+            self._blocks_sent[seq.seq_id] = len(seq.block_table)
+        return out
 
     def _budget_left(self, scheduled: dict[Sequence, int]) -> int:
         return self.max_num_batched_tokens - sum(scheduled.values())
@@ -85,6 +106,9 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        if seq.seq_id in self._blocks_sent:
+            self._blocks_sent[seq.seq_id] = 0
+            self._resumed.add(seq.seq_id)
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence that has finished or been aborted, wherever it is."""
@@ -94,3 +118,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+        del self.sequences[seq.seq_id]
+        if self._blocks_sent.pop(seq.seq_id, None) is not None:
+            self._finished.append(seq.seq_id)
+        self._resumed.discard(seq.seq_id)

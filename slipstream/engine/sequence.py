@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 import itertools
 
-import torch
-
 from slipstream.outputs import RequestMetrics, TokenLogprobs
 from slipstream.sampling_params import SamplingParams
 
@@ -53,7 +51,6 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
-        self.generator = _make_generator(params.seed, index)
 
     @property
     def num_tokens(self) -> int:
@@ -80,15 +77,4 @@ class Sequence:
         """True while some prompt token still lacks its log-probability."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
 
-
-def _make_generator(seed: int | None, index: int) -> torch.Generator:
-    """Each sequence owns its random stream, so its samples do not depend on the batch."""
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:  # any Python int; the n samples of one request get distinct streams
-        generator.manual_seed(hash((seed, index)) & (2**63 - 1))
-    return generator

@@ -57,10 +57,11 @@ class TurboQuantizer:
     that <x, x_hat> = |x|^2 exactly. On random vectors it gives a larger reconstruction
     error at 1-3 bits; on SmolLM2's keys it cut the KL of tq4 by a third (see the cache).
 
-    Shapes: vectors are (..., dim), rows (..., nbytes), nbytes == bytes_per_vector. With
-    2.5/3.5 bits the high-bit group is the first channels (`outlier_channels` is None)
-    until `calibrate` picks the highest-RMS channels of each KV head; from then on inputs
-    must carry the KV-head axis, as documented on each method.
+    Shapes: vectors are (..., dim), rows (..., nbytes): the bytes stored per vector (one head
+    of one token: codes, signs and fp16 norms). With 2.5/3.5 bits the high-bit group is the
+    first channels (`outlier_channels` is None) until `calibrate` picks the highest-RMS
+    channels of each KV head; from then on inputs must carry the KV-head axis, as documented
+    on each method.
     """
 
     def __init__(self, dim: int, bits: float, mode: str = "mse", seed: int = 0,
@@ -76,11 +77,6 @@ class TurboQuantizer:
         self._lift = _Constants(lift=torch.block_diag(*(g.lift for g in self._groups)))
         self._permutation: _Constants | None = None
         self.outlier_channels: torch.Tensor | None = None
-
-    @property
-    def bytes_per_vector(self) -> int:
-        """Bytes stored per vector (one head of one token): codes, signs and fp16 norms."""
-        return self.nbytes
 
     def calibrate(self, samples: torch.Tensor) -> None:
         """Fix the outlier channels of each KV head from samples (N, num_kv_heads, dim).

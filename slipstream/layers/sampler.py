@@ -1,9 +1,10 @@
-"""Sampler: next tokens for a batch in which every sequence has its own SamplingParams.
+"""Sampler: next tokens for a batch in which every row has its own SamplingParams.
 
-Order (vLLM's): min_tokens masking and penalties on the raw logits, then temperature,
-min_p, top_k, top_p, then a draw from each sequence's own generator (the exponential-race
-form of sampling, so a seeded sequence draws the same numbers whatever the batch).
-Log-probabilities reported to the user are those of the raw model logits.
+Order (vLLM's): the logits processors on the raw logits (allowed_token_ids, logit_bias,
+min_tokens, penalties), then temperature, min_p, top_k, top_p, then a draw from each row's
+own generator (the exponential-race form of sampling, so a seeded sequence draws the same
+numbers whatever the batch). Log-probabilities reported to the user are those of the raw
+model logits. The sampler knows rows, never sequences or the scheduler.
 """
 from __future__ import annotations
 
@@ -11,7 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.engine.sequence import Sequence
+from slipstream.layers.logits_processors import LogitsProcessor
+from slipstream.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """One sampling call's per-row inputs, in row order."""
+
+    params: list[SamplingParams]
+    token_ids: list[list[int]]    # each row's tokens so far: prompt, then output
+    num_prompt_tokens: list[int]
+    generators: list[torch.Generator]
 
 
 @dataclass
@@ -23,31 +35,22 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int]):
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, processors: list[LogitsProcessor]):
+        self.processors = processors
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        raw_logprobs = logits.log_softmax(-1) if any(s.params.logprobs is not None for s in seqs) else None
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampleResult]:
+        raw_logprobs = logits.log_softmax(-1) if any(p.logprobs is not None for p in meta.params) else None
         logits = logits.clone()
-        for row, seq in enumerate(seqs):
-            self._mask_early_stop(logits[row], seq)
-            _apply_penalties(logits[row], seq)
+        for processor in self.processors:
+            processor(logits, meta)
         tokens = argmax(logits)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        random_rows = [i for i, p in enumerate(meta.params) if not p.greedy]
         if random_rows:
-            tokens[random_rows] = _sample(logits[random_rows], [seqs[i] for i in random_rows])
+            tokens[random_rows] = _sample(logits[random_rows], [meta.params[i] for i in random_rows],
+                                          [meta.generators[i] for i in random_rows])
         tokens = tokens.tolist()
-        return [_result(tokens[i], raw_logprobs, i, s.params.logprobs) for i, s in enumerate(seqs)]
-
-    def _mask_early_stop(self, row: torch.Tensor, seq: Sequence) -> None:
-        if seq.num_output_tokens >= seq.params.min_tokens:
-            return
-        stops = list(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            stops += self.eos_token_ids
-        if stops:
-            row[stops] = float("-inf")
+        return [_result(tokens[i], raw_logprobs, i, p.logprobs) for i, p in enumerate(meta.params)]
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -77,30 +80,18 @@ def _result(token_id: int, raw_logprobs: torch.Tensor | None, row: int, num_top:
     return SampleResult(token_id, logprob, rank, top)
 
 
-def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
-    p = seq.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(seq.token_ids, device=row.device).unique()
-        values = row[seen]
-        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-        out = torch.tensor(seq.output_token_ids, device=row.device)
-        counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-
-
-def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    temperature = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
     logits = logits / temperature.unsqueeze(1)
     probs = logits.softmax(-1)
-    min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device)
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
     if min_p.any():
         probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), 0.0)
-    top_k = [s.params.top_k for s in seqs]
-    top_p = [s.params.top_p for s in seqs]
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
     if any(top_k) or any(p < 1.0 for p in top_p):
         probs = _top_k_top_p(probs, top_k, top_p)
-    noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=s.generator) for s in seqs])
+    noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=g) for g in generators])
     return argmax(probs / noise.to(probs.device))
 
 

@@ -118,7 +118,7 @@ def decode_step(meta: AttentionMetadata, positions: torch.Tensor, x: torch.Tenso
     """The step's shared C description when every row of x is a decode token, else None;
     built once per step and kept in the metadata's step cache."""
     tokens = x.shape[0]
-    if (meta.prefills or meta.num_decode_tokens != tokens or tokens >= UPCAST_MIN_ROWS or x.dtype != torch.bfloat16
+    if (meta.prefills or meta.num_decodes != tokens or tokens >= UPCAST_MIN_ROWS or x.dtype != torch.bfloat16
             or x.device.type != "cpu" or not x.is_contiguous() or torch.is_grad_enabled()):
         return None
     key = "native decode step"

@@ -24,9 +24,9 @@ class APIError(Exception):
 
     @classmethod
     def bad_request(cls, error: Exception, default_param: str | None = None) -> "APIError":
-        """A ValueError from SamplingParams or the engine; their messages start with `name=`."""
+        """A ValueError from SamplingParams or the engine; their messages start with `name=` or `name:`."""
         message = str(error)
-        named = re.match(r"(\w+)=", message)
+        named = re.match(r"(\w+)[=:]", message)
         return cls(400, message, param=named.group(1) if named else default_param)
 
     def response(self, headers: dict | None = None) -> JSONResponse:

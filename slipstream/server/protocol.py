@@ -8,7 +8,7 @@ be valid Unicode (no lone surrogates: they cannot be tokenized or sent back as U
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
@@ -55,7 +55,8 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted, ignored
     cache_salt: Text | None = None
-    logit_bias: dict[str, Any] | None = None  # not supported: rejected if non-empty
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's extra: sample only among these
 
 
 TokenIds = list[int]

@@ -42,9 +42,9 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.engine.tokenizer
-        self.vocab_size = engine.engine.model_config.vocab_size
-        self.max_model_len = engine.engine.max_model_len
+        self.processor = engine.processor
+        self.tokenizer = self.processor.tokenizer
+        self.max_model_len = self.processor.max_model_len
 
     # --- /v1/completions ---------------------------------------------------------------
     async def completion(self, req: p.CompletionRequest, raw: Request) -> Response:
@@ -189,19 +189,12 @@ class OpenAIServing:
 
     def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
         """Token ids of a conversation, rendered exactly as LLM.chat renders it."""
-        tokenizer = self.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions",
-                           param="messages")
         if not messages:
             raise APIError(400, "messages is empty; it must contain at least one message", param="messages")
-        conversation = [_message(i, m) for i, m in enumerate(messages)]
         try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - a template is code run on the user's messages
-            raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages")
-        return tokenizer(text, add_special_tokens=False).input_ids
+            return self.processor.render_chat([_message(i, m) for i, m in enumerate(messages)], add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
 
     # --- /tokenize, /detokenize, /v1/models --------------------------------------------
     def tokenize(self, req: p.TokenizeRequest) -> dict:
@@ -218,7 +211,7 @@ class OpenAIServing:
     def detokenize(self, req: p.DetokenizeRequest) -> dict:
         self._check_model(req.model)
         tokenizer = self._require_tokenizer()
-        _check_token_ids(req.tokens, self.vocab_size, "tokens")
+        self._check_token_ids(req.tokens, "tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
 
     def models(self) -> p.ModelList:
@@ -243,6 +236,12 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError.bad_request(e) from None
 
+    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
+        try:
+            self.processor.check_token_ids(token_ids, param)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
     def _require_tokenizer(self):
         if self.tokenizer is None:
             raise APIError(400, f"model {self.model_name!r} has no tokenizer; only token-id prompts work")
@@ -250,14 +249,12 @@ class OpenAIServing:
 
     def _params(self, req: p.SamplingFields, default_max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
-        _check_token_ids(req.stop_token_ids or [], self.vocab_size, "stop_token_ids")
         max_tokens = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), default_max_tokens)
         optional = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, seed=req.seed,
-                        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+                        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                        logit_bias=_token_keys(req.logit_bias), allowed_token_ids=req.allowed_token_ids)
         kwargs = {k: v for k, v in optional.items() if v is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kwargs)
@@ -348,10 +345,15 @@ def _message(index: int, m: p.ChatMessage) -> dict:
     return message
 
 
-def _check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise APIError(400, f"{param}: token id(s) {bad[:5]} out of range; allowed: 0..{vocab_size - 1}", param=param)
+def _token_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends logit_bias keys as strings of token ids."""
+    if logit_bias is None:
+        return None
+    try:
+        return {int(k): v for k, v in logit_bias.items()}
+    except ValueError:
+        raise APIError(400, f"logit_bias keys must be token ids, got {sorted(logit_bias)[:5]}",
+                       param="logit_bias") from None
 
 
 def _usage(outputs) -> p.UsageInfo:

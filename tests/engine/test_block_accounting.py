@@ -1,7 +1,9 @@
 """Block accounting under random add / step / abort sequences (hypothesis).
 
-After every engine step the invariants of DESIGN.md must hold, and once every request has
-finished or been aborted, every block is free (cached blocks count as free).
+After every engine step: free + used = total, no ref count below 0, a block is in the free
+queue exactly when its ref count is 0 and its ref count is the number of running sequences
+holding it; once every request has finished or been aborted, every block is free (cached
+blocks count as free).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import torch
 
 from slipstream import kernels
 from slipstream.attention import native, reference
-from slipstream.attention.metadata import AttentionMetadata
+from tests.conftest import step_metadata
 from slipstream.kvcache.cache import LayerKVCache, _write_kernel
 
 pytestmark = pytest.mark.skipif(kernels.load("paged_attention") is None, reason="no C compiler for native kernels")
@@ -31,8 +31,7 @@ def _decode_step(lens: list[int], num_heads: int, kv_heads: int, dim: int = 64, 
     cache.k.normal_()
     cache.v.normal_()
     tables = shuffled_block_tables(lens, block_size, num_blocks)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(lens),
-                             decode_block_tables=tables, decode_context_lens=torch.tensor(lens), prefills=[])
+    meta = step_metadata([1] * len(lens), lens, tables, torch.zeros(0, dtype=torch.long))
     q = torch.randn(len(lens), num_heads, dim, dtype=torch.bfloat16)
     return q, cache, meta
 

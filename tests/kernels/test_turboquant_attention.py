@@ -12,9 +12,9 @@ import torch
 
 from slipstream import kernels
 from slipstream.attention import reference, turboquant
-from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache, _native_write
+from tests.conftest import step_metadata
 from tests.kernels.test_paged_attention import shuffled_block_tables
 
 pytestmark = pytest.mark.skipif(kernels.load("turboquant_attention") is None or kernels.load("turboquant_encode") is None,
@@ -45,8 +45,7 @@ def _decode_step(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, 
     every_slot = torch.arange(num_blocks * block_size)
     cache.write(torch.randn(len(every_slot), kv_heads, dim) * 3 + 1, torch.randn(len(every_slot), kv_heads, dim), every_slot)
     tables = shuffled_block_tables(lens, block_size, num_blocks)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(lens),
-                             decode_block_tables=tables, decode_context_lens=torch.tensor(lens), prefills=[])
+    meta = step_metadata([1] * len(lens), lens, tables, torch.zeros(0, dtype=torch.long))
     return torch.randn(len(lens), num_heads, dim), cache, meta
 
 
@@ -111,12 +110,12 @@ def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(monkeypatch, r
     for seq, n in enumerate(lens):  # a prefill of all but the last token, so staging follows the engine's rules
         table = tables[seq, :-(-n // block_size)]
         slots = table[torch.arange(n - 1) // block_size] * block_size + torch.arange(n - 1) % block_size
-        meta = AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, n - 1, n - 1, table)])
+        meta = step_metadata([n - 1], [n - 1], table[None], slots)
         turboquant.paged_attention(torch.randn(n - 1, num_heads, 64, generator=g),
                                    torch.randn(n - 1, kv_heads, 64, generator=g) * 3 + 1,
                                    torch.randn(n - 1, kv_heads, 64, generator=g), cache, meta, 0.125)
     slots = torch.tensor([tables[s, (n - 1) // block_size] * block_size + (n - 1) % block_size for s, n in enumerate(lens)])
-    meta = AttentionMetadata(slots, 2, tables, torch.tensor(lens), [])
+    meta = step_metadata([1, 1], lens, tables, slots)
     q, k, v = (torch.randn(2, h, 64, generator=g) for h in (num_heads, kv_heads, kv_heads))
     cache.write(k, v, slots)
     turboquant._stage(cache.window, k, v, meta)

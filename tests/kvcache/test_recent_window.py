@@ -7,10 +7,10 @@ import torch
 
 from slipstream import LLM
 from slipstream.attention import turboquant
-from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
+from tests.conftest import step_metadata
 from tests.engine.test_block_accounting import run_shared_prefix_workload
 
 BLOCK, HEADS, KV_HEADS, DIM, RECENT, SCALE = 4, 4, 2, 64, 6, 0.125
@@ -31,15 +31,11 @@ def _step(decodes: list[tuple[str, int]], prefills: list[tuple[str, int, int]]):
     """Metadata for decode tokens (seq, position) then prefill chunks (seq, first position, length)."""
     slot = lambda seq, p: TABLES[seq][p // BLOCK] * BLOCK + p % BLOCK
     slots = [slot(s, p) for s, p in decodes]
-    chunks, start = [], len(decodes)
     for seq, first, n in prefills:
         slots += [slot(seq, p) for p in range(first, first + n)]
-        chunks.append(PrefillChunk(start, n, first + n, torch.tensor(TABLES[seq])))
-        start += n
-    width = max((len(TABLES[s]) for s, _ in decodes), default=1)
-    tables = torch.tensor([TABLES[s] + [0] * (width - len(TABLES[s])) for s, _ in decodes]) if decodes else None
-    lens = torch.tensor([p + 1 for _, p in decodes]) if decodes else None
-    return AttentionMetadata(torch.tensor(slots), len(decodes), tables, lens, chunks)
+    return step_metadata([1] * len(decodes) + [n for _, _, n in prefills],
+                         [p + 1 for _, p in decodes] + [first + n for _, first, n in prefills],
+                         [TABLES[s] for s, _ in decodes] + [TABLES[s] for s, _, _ in prefills], slots)
 
 
 def _expected(q, cache, seq, pos, exact_k, exact_v, new_positions):

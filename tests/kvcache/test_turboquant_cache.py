@@ -6,10 +6,10 @@ import torch
 
 from slipstream import LLM, SamplingParams
 from slipstream.attention import reference, turboquant
-from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.dtype import ALLOWED, parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
+from tests.conftest import step_metadata
 from tests.engine.test_block_accounting import run_shared_prefix_workload
 
 SMOLLM2_SHAPES = [(3, 64)] * 30  # 30 layers, 3 KV heads of dim 64
@@ -27,9 +27,8 @@ def _step(num_heads: int = 6):
     chunk_table = torch.tensor([5, 6, 7])
     decode_slots = [tables[0, 6 // 4] * 4 + 6 % 4, tables[1, 9 // 4] * 4 + 9 % 4]
     chunk_slots = [chunk_table[p // 4] * 4 + p % 4 for p in range(6, 11)]
-    meta = AttentionMetadata(slot_mapping=torch.tensor(decode_slots + chunk_slots), num_decode_tokens=2,
-                             decode_block_tables=tables, decode_context_lens=torch.tensor([7, 10]),
-                             prefills=[PrefillChunk(2, 5, 11, chunk_table)])
+    meta = step_metadata([1, 1, 5], [7, 10, 11], [tables[0].tolist(), tables[1].tolist(), chunk_table.tolist()],
+                         torch.tensor(decode_slots + chunk_slots))
     channels = torch.linspace(0.2, 5.0, 64)  # uneven channel RMS, so the key scale is not 1
     history = torch.randn(16 * 4, 2, 64, generator=g) * channels + 1.0  # earlier tokens, already in the cache
     q = torch.randn(7, num_heads, 64, generator=g)

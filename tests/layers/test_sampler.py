@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from slipstream import LLM, SamplingParams
-from slipstream.engine.sequence import Sequence
-from slipstream.layers.sampler import _apply_penalties, argmax
-from slipstream.outputs import RequestMetrics
+from slipstream.layers.logits_processors import penalties
+from slipstream.layers.sampler import SamplingMetadata, argmax
 from tests.conftest import random_prompts
 
 
@@ -97,14 +96,11 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm, prompts):
 
 def test_penalties_match_their_definition():
     params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
-    seq = Sequence("r", [1, 2], params, RequestMetrics(0.0))
-    for t in (3, 3, 1):
-        seq.append_token(t)
-    row = torch.tensor([1.0, 2.0, -2.0, 4.0, 5.0])
-    _apply_penalties(row, seq)
+    logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, 5.0], [1.0, 2.0, -2.0, 4.0, 5.0]])
+    penalties(logits, SamplingMetadata([params, SamplingParams()], [[1, 2, 3, 3, 1], [1, 2, 3]], [2, 1], [None, None]))
     # token 1: seen, output once: 2/2 - 0.25 - 0.5; token 2: seen in prompt only: -2*2;
-    # token 3: output twice: 4/2 - 0.5 - 0.5; tokens 0 and 4: untouched
-    assert torch.allclose(row, torch.tensor([1.0, 0.25, -4.0, 1.0, 5.0]))
+    # token 3: output twice: 4/2 - 0.5 - 0.5; tokens 0 and 4: untouched; the second row has no penalties
+    assert torch.allclose(logits, torch.tensor([[1.0, 0.25, -4.0, 1.0, 5.0], [1.0, 2.0, -2.0, 4.0, 5.0]]))
 
 
 def test_n_returns_several_independent_samples(llm, prompts):
@@ -122,3 +118,22 @@ def test_argmax_picks_what_torch_picks_on_ties_and_nan():
     rows[4, 999] = float("inf")
     assert torch.equal(argmax(rows), rows.argmax(-1))
     assert argmax(rows).tolist()[1:3] == [7, 300]
+
+
+def test_logit_bias_and_allowed_token_ids_steer_greedy_decoding(llm, prompts):
+    greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    free = _ids(llm.generate(prompts[:2], SamplingParams(**greedy), use_tqdm=False))
+    forced = SamplingParams(logit_bias={7: 100.0}, **greedy)
+    banned = SamplingParams(logit_bias={t: -100.0 for t in free[0]}, **greedy)
+    allowed = SamplingParams(allowed_token_ids=[5, 9, 11], **greedy)
+    outs = _ids(llm.generate([prompts[0], prompts[0], prompts[0], prompts[1]],
+                             [forced, banned, allowed, SamplingParams(**greedy)], use_tqdm=False))
+    assert outs[0] == [7] * 8
+    assert not set(outs[1]) & set(free[0])
+    assert set(outs[2]) <= {5, 9, 11} and len(set(outs[2])) > 1
+    assert outs[3] == free[1]  # the other rows' parameters leave this one alone
+
+
+def test_allowed_token_ids_keep_sampling_inside_the_set(llm, prompts):
+    params = SamplingParams(temperature=1.5, seed=3, max_tokens=30, ignore_eos=True, allowed_token_ids=[4, 8, 15, 16])
+    assert set(_ids(llm.generate([prompts[1]], params, use_tqdm=False))[0]) <= {4, 8, 15, 16}

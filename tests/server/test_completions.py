@@ -140,3 +140,14 @@ def test_cache_salt_separates_prefix_caches(tiny_server):
         first, other_salt, same_salt = run("alice"), run("bob"), run("alice")
     assert other_salt == first  # bob cannot reuse alice's blocks
     assert same_salt - other_salt == 32  # alice reuses both of hers
+
+
+def test_logit_bias_and_allowed_token_ids_equal_llm_generate(client, tiny_model):
+    llm = LLM(tiny_model, dtype="float32")
+    steer = dict(logit_bias={7: 100.0, 9: -100.0}, allowed_token_ids=[7, 9, 12, 30])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **steer)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+    response = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=6, temperature=0, logprobs=0,
+                                         logit_bias={"7": 100, "9": -100},
+                                         extra_body={"ignore_eos": True, "allowed_token_ids": [7, 9, 12, 30]})
+    assert [token_ids(c.logprobs) for c in response.choices] == expected == [[7] * 6] * 2

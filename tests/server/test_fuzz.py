@@ -34,7 +34,8 @@ VALID = {  # values the server must accept, so that requests get all the way thr
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "user": st.text(max_size=4),
     "cache_salt": st.text(max_size=4),
 }
-FIELD_NAMES = sorted(VALID) + ["top_logprobs", "logit_bias", "suffix", "add_generation_prompt", "best_of"]
+FIELD_NAMES = sorted(VALID) + ["top_logprobs", "logit_bias", "allowed_token_ids", "suffix", "add_generation_prompt",
+                               "best_of"]
 
 
 @st.composite

@@ -1,0 +1,88 @@
+"""InputBatch: one step's inputs as flat tensors in persistent buffers, and what the runner
+keeps of each sequence between steps.
+
+The buffers (vLLM's names) are allocated once for the largest step the scheduler can send
+(max_num_batched_tokens tokens, max_num_seqs rows) and refilled in place every step, so
+their addresses never change, as a captured CUDA graph needs: input_ids, positions and
+slot_mapping [tokens]; query_start_loc [rows + 1]; seq_lens [rows]; block_table, the first
+rows * W entries viewed as [rows, W] for the W blocks the step's longest row uses. Rows with
+one new token come first; any row may carry any number of new tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slipstream.attention.metadata import AttentionMetadata, leading_decodes
+from slipstream.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedSequence:
+    """The runner's copy of a sequence: its tokens (it appends what it samples), blocks and sampling state."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator
+    block_ids: list[int]
+    next_prompt_logprob: int = 1  # first prompt position whose logprob is still owed (position 0 has none)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.next_prompt_logprob < self.num_prompt_tokens
+
+
+# (sequence, tokens already computed, new tokens) for each row of a step
+Row = tuple[CachedSequence, int, int]
+
+
+class InputBatch:
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.host = {name: torch.zeros(size, dtype=torch.int64) for name, size in (
+            ("input_ids", max_num_tokens), ("positions", max_num_tokens), ("slot_mapping", max_num_tokens),
+            ("query_start_loc", max_num_seqs + 1), ("seq_lens", max_num_seqs),
+            ("block_table", max_num_seqs * max_blocks_per_seq))}
+        self.np = {name: t.numpy() for name, t in self.host.items()}
+        self.buffers = self.host if device.type == "cpu" else {n: t.to(device) for n, t in self.host.items()}
+
+    def prepare(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """input_ids [T], positions [T] and the attention metadata of `rows` (single-token rows first)."""
+        query_lens = [n for _, _, n in rows]
+        context_lens = [done + n for _, done, n in rows]
+        width = -(-max(context_lens) // self.block_size)
+        tokens, count = sum(query_lens), len(rows)
+        ids, positions, starts = self.np["input_ids"], self.np["positions"], self.np["query_start_loc"]
+        table = self.np["block_table"][:count * width].reshape(count, width)
+        table[:] = 0
+        start = 0
+        for i, (seq, done, n) in enumerate(rows):
+            ids[start:start + n] = seq.token_ids[done:done + n]
+            positions[start:start + n] = np.arange(done, done + n)
+            blocks = seq.block_ids[:width]
+            table[i, :len(blocks)] = blocks
+            start += n
+        starts[:count + 1] = np.cumsum([0, *query_lens])
+        self.np["seq_lens"][:count] = context_lens
+        pos = positions[:tokens]
+        row = np.repeat(np.arange(count), query_lens)
+        self.np["slot_mapping"][:tokens] = table[row, pos // self.block_size] * self.block_size + pos % self.block_size
+        t = self._to_device({"input_ids": tokens, "positions": tokens, "slot_mapping": tokens,
+                             "query_start_loc": count + 1, "seq_lens": count, "block_table": count * width})
+        meta = AttentionMetadata(t["slot_mapping"], t["query_start_loc"], t["seq_lens"],
+                                 t["block_table"].view(count, width), leading_decodes(query_lens), starts[:count + 1].tolist(),
+                                 context_lens)
+        return t["input_ids"], t["positions"], meta
+
+    def _to_device(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        """The filled prefix of each buffer, copied into the device's own persistent buffer if it has one."""
+        if self.buffers is self.host:
+            return {name: self.host[name][:n] for name, n in sizes.items()}
+        return {name: self.buffers[name][:n].copy_(self.host[name][:n], non_blocking=True)
+                for name, n in sizes.items()}

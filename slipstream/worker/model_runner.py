@@ -1,0 +1,124 @@
+"""ModelRunner: a SchedulerOutput -> an input batch -> one forward pass -> sampled tokens.
+
+The runner keeps a `CachedSequence` for every sequence the scheduler has sent it, until the
+scheduler names it finished: its tokens (the runner appends what it samples), its block
+table and its sampling state. Rows with one new token are laid out first, then the others.
+Logits are computed only for rows that sample (the last token of a row that reaches its
+sequence's last known token) and for prompt positions whose logprob was asked for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from slipstream.attention.metadata import use_metadata
+from slipstream.engine.scheduler_output import NewSequence, SchedulerOutput
+from slipstream.kvcache.cache import KVCache
+from slipstream.layers.sampler import SampleResult, Sampler, SamplingMetadata, logprobs_for
+from slipstream.worker.input_batch import CachedSequence, InputBatch, Row
+
+# (token id, its logprob, its rank, top-N pairs) for one prompt token, in prompt order
+PromptLogprob = tuple[int, float, int, list[tuple[int, float]]]
+# (row of the hidden states, its sequence, the prompt position it scores, or None where it samples)
+LogitRow = tuple[int, CachedSequence, int | None]
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[int, SampleResult] = field(default_factory=dict)  # by seq_id
+    prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_cache: KVCache, sampler: Sampler, device: torch.device,
+                 max_num_tokens: int, max_num_seqs: int, max_model_len: int):
+        self.model = model
+        self.sampler = sampler
+        self.sequences: dict[int, CachedSequence] = {}
+        max_blocks = min(kv_cache.num_blocks, -(-max_model_len // kv_cache.block_size))
+        self.input_batch = InputBatch(max_num_tokens, max_num_seqs, max_blocks, kv_cache.block_size, device)
+        for attn, layer_cache in zip(model.attention_layers(), kv_cache.layers):
+            attn.kv_cache = layer_cache
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        rows = self._update(step)
+        if not rows:
+            return RunnerOutput()
+        input_ids, positions, meta = self.input_batch.prepare(rows)
+        with use_metadata(meta):
+            hidden = self.model(input_ids, positions)
+        plan = _logit_plan(rows)
+        if not plan:  # prompt chunks that neither finish their prompt nor owe logprobs
+            return RunnerOutput()
+        return self._postprocess(plan, self.model.compute_logits(_rows(hidden, [r for r, _, _ in plan])))
+
+    def _update(self, step: SchedulerOutput) -> list[Row]:
+        """Apply the step's changes to the cached sequences; its rows, single-token rows first."""
+        for seq_id in step.finished_seq_ids:
+            self.sequences.pop(seq_id, None)
+        for new in step.new_sequences:
+            self.sequences[new.seq_id] = _cached(new)
+        rows = []
+        for s in step.scheduled:
+            seq = self.sequences[s.seq_id]
+            seq.block_ids = list(s.new_block_ids) if s.resumed else seq.block_ids + s.new_block_ids
+            rows.append((seq, s.num_computed_tokens, s.num_new_tokens))
+        return sorted(rows, key=lambda row: row[2] != 1)  # stable: decode rows first, in scheduler order
+
+    def _postprocess(self, plan: list[LogitRow], logits: torch.Tensor) -> RunnerOutput:
+        out = RunnerOutput()
+        prompt = [i for i, (_, _, target) in enumerate(plan) if target is not None]
+        if prompt:
+            for i, logprobs in zip(prompt, logits[prompt].log_softmax(-1)):
+                _, seq, target = plan[i]
+                token = seq.token_ids[target]
+                entry = (token, *logprobs_for(logprobs, token, seq.params.prompt_logprobs))
+                out.prompt_logprobs.setdefault(seq.seq_id, []).append(entry)
+        samples = [i for i, (_, _, target) in enumerate(plan) if target is None]
+        if samples:
+            seqs = [plan[i][1] for i in samples]
+            meta = SamplingMetadata([s.params for s in seqs], [s.token_ids for s in seqs],
+                                    [s.num_prompt_tokens for s in seqs], [s.generator for s in seqs])
+            for seq, result in zip(seqs, self.sampler(_rows(logits, samples), meta)):
+                seq.token_ids.append(result.token_id)
+                out.sampled[seq.seq_id] = result
+        return out
+
+
+def _cached(new: NewSequence) -> CachedSequence:
+    return CachedSequence(new.seq_id, list(new.token_ids), new.num_prompt_tokens, new.params,
+                          _make_generator(new.params.seed, new.index), [])
+
+
+def _logit_plan(rows: list[Row]) -> list[LogitRow]:
+    """(hidden row, sequence, prompt target position or None for the sample) per logit row."""
+    plan, start = [], 0
+    for seq, done, n in rows:
+        if seq.wants_prompt_logprobs:  # row t - 1 predicts prompt token t
+            targets = range(max(done + 1, seq.next_prompt_logprob), min(done + n + 1, seq.num_prompt_tokens))
+            plan += [(start + t - done - 1, seq, t) for t in targets]
+            seq.next_prompt_logprob = max(seq.next_prompt_logprob, targets.stop)
+        if done + n == len(seq.token_ids):
+            plan.append((start + n - 1, seq, None))
+        start += n
+    return plan
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    # a slice where the rows are consecutive (every decode step): indexing with a list costs ~50 us
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return x[rows[0]:rows[0] + len(rows)]
+    return x[rows]
+
+
+def _make_generator(seed: int | None, index: int) -> torch.Generator:
+    """Each sequence owns its random stream, so its samples do not depend on the batch."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:  # any Python int; the n samples of one request get distinct streams
+        generator.manual_seed(hash((seed, index)) & (2**63 - 1))
+    return generator
