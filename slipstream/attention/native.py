@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata
 from slipstream.kvcache.cache import LayerKVCache

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.kvcache.recent_window import RecentWindow

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.kvcache.dtype import KVCacheDtype
 from slipstream.kvcache.recent_window import staging_blocks
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.kvcache.recent_window import RecentWindow
 from slipstream.kvcache.turboquant import TurboQuantizer
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.platform import cpu_has_amx
 
 UPCAST_MIN_ROWS = 128

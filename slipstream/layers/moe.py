@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.layers.linear import Linear, linear
 from slipstream.platform import cpu_has_amx
 

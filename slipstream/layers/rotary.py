@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 

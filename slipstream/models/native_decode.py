@@ -18,7 +18,7 @@ import ctypes
 import torch
 from torch import nn
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.attention.metadata import AttentionMetadata
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear

@@ -5,7 +5,7 @@ import logging
 import tempfile
 from pathlib import Path
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 
 
 def test_a_failing_compiler_means_no_kernel_and_a_warning(monkeypatch, tmp_path, caplog):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.layers import moe
 from slipstream.layers.moe import Experts, native_expert, native_expert_fits
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.attention import native, reference
 from slipstream.attention.metadata import AttentionMetadata
 from slipstream.kvcache.cache import LayerKVCache, _write_kernel

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.attention import reference, turboquant
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.kvcache.dtype import parse_kv_cache_dtype

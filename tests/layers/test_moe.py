@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream import kernels
+from slipstream.backends.cpu import build as kernels
 from slipstream.layers import moe
 from slipstream.layers.moe import SparseMoeBlock, TopKRouter, load_balance_summary, stack_expert_weights
 

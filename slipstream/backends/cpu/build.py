@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger("slipstream")
 
-SOURCE_DIR = Path(__file__).parent
+SOURCE_DIR = Path(__file__).parent / "kernels"
 COMPILER = os.environ.get("CC", "cc")
 # fast math by parts: not -ffinite-math-only (kernels rely on -inf), and not -ffast-math, whose
 # startup code sets flush-to-zero for the whole process when the library loads
