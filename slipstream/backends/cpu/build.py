@@ -1,17 +1,24 @@
-"""Native CPU kernels: small C files compiled on first use by the system C compiler, called via ctypes.
+"""Building the native CPU kernels: each kernels/<name>.c compiled by the system C compiler into
+its own shared library, once per instruction set (ISA) and cached on disk.
 
 Why C through ctypes rather than a torch extension: a C file that includes no torch headers
-compiles in about a second, so a fresh machine builds its kernels at first use, for its own
-CPU (`-march=native`), with nothing added to the install. Tensors cross the boundary as raw
-pointers; the caller checks dtypes, devices and contiguity. OpenMP in the kernels binds to
-the `libgomp.so.1` that torch has already loaded, so kernels and torch share one thread pool.
+compiles in seconds, so a machine builds its kernels for its own CPU with nothing added to the
+install (`make install` builds them ahead, `python -m slipstream.backends.cpu.build`; otherwise
+they are built at first use). Tensors cross the boundary as raw pointers; the caller checks
+dtypes, devices and contiguity. OpenMP in the kernels binds to the `libgomp.so.1` that torch
+has already loaded, so kernels and torch share one thread pool.
 
-Every kernel has a plain-torch twin that stays the reference its tests compare against.
-When no compiler works, or `SLIPSTREAM_NATIVE=0`, `load` returns None and callers take the
-torch path.
+ISAS are the builds: `native` (-march=native, what the engine uses by default), `x86-64-v3`
+(AVX2/FMA) and `x86-64` (baseline: the plain-C paths); `SLIPSTREAM_KERNEL_ISA` picks the
+engine's, `available_isas()` says which this CPU can execute, and the tests run every one.
+When no compiler works, or `SLIPSTREAM_NATIVE=0`, there are no kernels and callers take the
+torch path. This module owns compiling and loading; it never knows a kernel's signature
+(abi.py) or when a kernel is worth calling (the callers).
 """
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -20,10 +27,11 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-import torch
+import torch  # noqa: F401  loaded before any kernel, so that their libgomp.so.1 is torch's
 
 logger = logging.getLogger("slipstream")
 
@@ -31,57 +39,82 @@ SOURCE_DIR = Path(__file__).parent / "kernels"
 COMPILER = os.environ.get("CC", "cc")
 # fast math by parts: not -ffinite-math-only (kernels rely on -inf), and not -ffast-math, whose
 # startup code sets flush-to-zero for the whole process when the library loads
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
          "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+ISAS = {
+    "native": "-march=native",        # every instruction of this CPU (AVX-512, VNNI, ...)
+    "x86-64-v3": "-march=x86-64-v3",  # AVX2, FMA, BMI2, F16C, MOVBE: the kernels' AVX2 paths
+    "x86-64": "-march=x86-64",        # SSE2 only: the kernels' plain-C paths
+}
+# what x86-64-v3 adds to the baseline, as /proc/cpuinfo names it (abm: LZCNT, pni: SSE3)
+V3_FLAGS = ("cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3",
+            "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
 
-
-# read once: kernels are looked up on every layer call, and tests switch this attribute
+# read once: kernels are looked up on every layer call, and tests switch these attributes
 ENABLED = os.environ.get("SLIPSTREAM_NATIVE", "1") != "0"
+ISA = os.environ.get("SLIPSTREAM_KERNEL_ISA", "native")
 
 
-def enabled() -> bool:
-    return ENABLED
+def sources() -> list[str]:
+    """The kernels, one library each: every kernels/*.c (a file may #include others)."""
+    return sorted(path.stem for path in SOURCE_DIR.glob("*.c"))
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled `kernels/<name>.c`, or None when native kernels are off or cannot be built."""
-    return _load(name) if enabled() else None
+def available_isas() -> tuple[str, ...]:
+    """The builds this CPU can execute, the native one first."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("native",)
+    flags = set(_cpuinfo("flags").split())
+    return ("native", *(("x86-64-v3",) if flags.issuperset(V3_FLAGS) else ()), "x86-64")
 
 
-def function(name: str, symbol: str, *argtypes, restype=None):
-    """`symbol` from kernels/<name>.c with its C signature set (ctypes then takes plain ints
-    for pointers), or None when the kernel is unavailable."""
-    return _function(name, symbol, argtypes, restype) if enabled() else None
+def check_isa(isa: str) -> None:
+    if isa not in ISAS:
+        raise ValueError(f"kernel ISA {isa!r} (SLIPSTREAM_KERNEL_ISA) is not one of {', '.join(ISAS)}")
+    if isa not in available_isas():
+        raise ValueError(f"kernel ISA {isa!r} (SLIPSTREAM_KERNEL_ISA) needs instructions this CPU lacks; "
+                         f"it runs: {', '.join(available_isas())}")
 
 
-@functools.cache
-def _function(name: str, symbol: str, argtypes: tuple, restype):
-    lib = _load(name)
-    if lib is None:
+def build(isa: str) -> dict[str, ctypes.CDLL] | None:
+    """Every kernel library for `isa`, compiled where not cached (in parallel), or None when any
+    cannot be built (each failure is logged)."""
+    check_isa(isa)
+    names = sources()
+    missing = [name for name in names if not _target(name, isa).exists()]
+    if missing:
+        logger.info("compiling the %s kernels (once, cached): %s", isa, ", ".join(missing))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        libraries = dict(zip(names, pool.map(lambda name: library(name, isa), names)))
+    if None in libraries.values():
+        logger.warning("native kernels for %s not built; using the torch paths", isa)
         return None
-    fn = getattr(lib, symbol)
-    fn.argtypes, fn.restype = argtypes, restype
-    return fn
+    return libraries
 
 
 @functools.cache
-def _load(name: str) -> ctypes.CDLL | None:
-    source = SOURCE_DIR / f"{name}.c"
+def library(name: str, isa: str) -> ctypes.CDLL | None:
+    """kernels/<name>.c built for `isa`, or None (logged) when it cannot be built."""
     try:
-        target = _cache_dir() / f"{name}-{_fingerprint(source)}.so"
+        target = _target(name, isa)
         if not target.exists():
-            _compile(source, target)
+            _compile(SOURCE_DIR / f"{name}.c", isa, target)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or e
-        logger.warning("native kernel %s not built (%s); using the torch path", name, str(detail).strip()[:500])
+        logger.warning("native kernel %s (%s) not built (%s)", name, isa, str(detail).strip()[:500])
         return None
 
 
-def _fingerprint(source: Path) -> str:
-    # -march=native code is only valid on the CPU it was built for
-    cpu = platform.machine() + _cpu_model()
-    return hashlib.sha256(_text_with_includes(source) + " ".join([COMPILER, *FLAGS, cpu]).encode()).hexdigest()[:16]
+def _target(name: str, isa: str) -> Path:
+    return _cache_dir() / f"{name}-{isa}-{_fingerprint(SOURCE_DIR / f'{name}.c', isa)}.so"
+
+
+def _fingerprint(source: Path, isa: str) -> str:
+    # -march=native code is only valid on the CPU it was built for; the other builds run on any CPU of their ISA
+    cpu = platform.machine() + (_cpuinfo("model name") + _cpuinfo("flags") if isa == "native" else "")
+    flags = " ".join([COMPILER, *FLAGS, ISAS[isa], cpu])
+    return hashlib.sha256(_text_with_includes(source) + flags.encode()).hexdigest()[:16]
 
 
 def _text_with_includes(source: Path) -> bytes:
@@ -90,12 +123,14 @@ def _text_with_includes(source: Path) -> bytes:
     return text + b"".join(_text_with_includes(SOURCE_DIR / name.decode()) for name in re.findall(rb'#include "([^"]+)"', text))
 
 
-def _cpu_model() -> str:
+@functools.cache
+def _cpuinfo(key: str) -> str:
+    """The first /proc/cpuinfo line starting with `key`, or "" where there is none."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.processor()
-    return "".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
+        return platform.processor() if key == "model name" else ""
+    return next((line for line in lines if line.startswith(key)), "")
 
 
 def _cache_dir() -> Path:
@@ -110,21 +145,38 @@ def _cache_dir() -> Path:
     raise OSError("no writable directory for compiled kernels")
 
 
-def _compile(source: Path, target: Path) -> None:
+def _compile(source: Path, isa: str, target: Path) -> None:
     # build beside the target and rename: concurrent processes never load a half-written file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([COMPILER, *FLAGS, str(source), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        command = [COMPILER, *FLAGS, ISAS[isa], str(source), "-o", tmp, "-lm"]
+        subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-# C argument types, for `function`
-PTR, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+def main(argv: list[str] | None = None) -> int:
+    """Compile the kernels ahead of first use (make install). Never fails: without a compiler the
+    torch paths run, and this says so."""
+    parser = argparse.ArgumentParser(prog="python -m slipstream.backends.cpu.build", description=main.__doc__)
+    parser.add_argument("--isa", action="append", choices=list(ISAS),
+                        help="a build to compile (repeatable); default: every one this CPU runs")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not ENABLED:
+        print("native kernels are off (SLIPSTREAM_NATIVE=0): nothing to build")
+        return 0
+    for isa in args.isa or available_isas():
+        if isa not in available_isas():
+            print(f"native kernels for {isa}: skipped, this CPU cannot run them")
+            continue
+        state = "built" if build(isa) is not None else "NOT built, the torch paths will run"
+        print(f"native kernels for {isa}: {state} ({_cache_dir()})")
+    return 0
 
 
-def threads() -> int:
-    return torch.get_num_threads()
+if __name__ == "__main__":
+    sys.exit(main())
