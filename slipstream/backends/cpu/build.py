@@ -3,7 +3,7 @@ its own shared library, once per instruction set (ISA) and cached on disk.
 
 Why C through ctypes rather than a torch extension: a C file that includes no torch headers
 compiles in seconds, so a machine builds its kernels for its own CPU with nothing added to the
-install (`make install` builds them ahead, `python -m slipstream.backends.cpu.build`; otherwise
+install (`make install` builds them ahead with `python -m slipstream.backends.cpu`; otherwise
 they are built at first use). Tensors cross the boundary as raw pointers; the caller checks
 dtypes, devices and contiguity. OpenMP in the kernels binds to the `libgomp.so.1` that torch
 has already loaded, so kernels and torch share one thread pool.
@@ -27,7 +27,6 @@ import os
 import platform
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -161,7 +160,7 @@ def _compile(source: Path, isa: str, target: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Compile the kernels ahead of first use (make install). Never fails: without a compiler the
     torch paths run, and this says so."""
-    parser = argparse.ArgumentParser(prog="python -m slipstream.backends.cpu.build", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m slipstream.backends.cpu", description=main.__doc__)
     parser.add_argument("--isa", action="append", choices=list(ISAS),
                         help="a build to compile (repeatable); default: every one this CPU runs")
     args = parser.parse_args(argv)
@@ -176,7 +175,3 @@ def main(argv: list[str] | None = None) -> int:
         state = "built" if build(isa) is not None else "NOT built, the torch paths will run"
         print(f"native kernels for {isa}: {state} ({_cache_dir()})")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
