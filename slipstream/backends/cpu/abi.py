@@ -105,8 +105,11 @@ class Kernels:
     """One ISA build of the kernels. The class body declares the C side (read it as the header);
     an instance holds each function typed and bound to its library, each constant as an int."""
 
+    # (x, weight, out, rows, dim, eps, threads)
     rms_norm_bf16 = Function("norm", P, P, P, I64, I32, F32, I32)
+    # (q, k, token stride, tokens, q_heads, k_heads, dim, cos, sin, positions, threads)
     rotary_bf16 = Function("rotary", P, P, I64, I64, I32, I32, I32, P, P, P, I32)
+    # (k, v, k_cache, v_cache, slots, tokens, token stride, heads, dim, num_slots)
     cache_write_bf16 = Function("cache_write", P, P, P, P, P, I64, I64, I32, I32, I64)
     # (layer, batch, q, out)
     paged_decode_attention = Function("paged_attention", ctypes.POINTER(PagedAttention), ctypes.POINTER(DecodeBatch),
@@ -116,10 +119,12 @@ class Kernels:
     turboquant_encode = Function("turboquant_encode", ctypes.POINTER(TurboQuantEncode), restype=STATUS)
     # 1 where built with a path for this ISA (AVX-512), else 0 and every call returns -1
     gemm_bf16_available = Function("gemm", restype=ctypes.c_int)
-    gemm_bf16 = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)  # x, w, y, m, n, k, threads
-    gemm_int8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)  # x, w, scale, y, ...
-    gemm_int4 = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)  # x, w, scale, low, y, ...
+    # (x, packed w, y, m, n, k, threads); int8 takes its scale after w, int4 its scale and low
+    gemm_bf16 = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int4 = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     moe_expert_available = Function("moe_expert", restype=ctypes.c_int)
+    # (x, tokens, weights, m, gate_up, down, out, hidden, intermediate, threads)
     moe_expert_silu = Function("moe_expert", P, P, P, I64, P, P, P, I64, I64, I32, restype=STATUS)
     # (layers, count, step, x)
     decoder_layers_decode = Function("decoder_layer", ctypes.POINTER(Layer), I32, ctypes.POINTER(Step), P,
