@@ -1,13 +1,43 @@
-"""Shared fixtures: the bundled SmolLM2 GGUF, and tiny random HF checkpoints built with transformers."""
+"""Shared fixtures: the bundled SmolLM2 GGUF, tiny random HF checkpoints built with transformers, and
+the native kernel builds this CPU can execute."""
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 
 from slipstream.attention.metadata import AttentionMetadata, leading_decodes
+from slipstream.backends.cpu import abi, build
 from slipstream.loader.registry import resolve_model_path
 
 TINY_VOCAB = 384
+
+
+@pytest.fixture(params=abi.available_isas())
+def isa(request, monkeypatch) -> str:
+    """Each kernel build this CPU can execute (native, x86-64-v3, x86-64), in turn the engine's."""
+    if not build.ENABLED:
+        pytest.skip("native kernels are off (SLIPSTREAM_NATIVE=0)")
+    if shutil.which(build.COMPILER) is None:
+        pytest.skip(f"no C compiler ({build.COMPILER!r}) for native kernels")
+    monkeypatch.setattr(build, "ISA", request.param)
+    assert abi.kernels() is not None, f"the {request.param} kernels did not build: see the warning logged"
+    return request.param
+
+
+@pytest.fixture
+def gemm_isa(isa) -> str:
+    """`isa` where its gemm.c has a path (AVX-512); builds without one keep PyTorch's GEMMs."""
+    if not abi.kernels().gemm_bf16_available():
+        pytest.skip(f"gemm.c has no {isa} path (it needs AVX-512); PyTorch's GEMMs run there")
+    return isa
+
+
+@pytest.fixture
+def no_native_kernels(monkeypatch) -> None:
+    """The engine as with SLIPSTREAM_NATIVE=0: every kernel on its torch path."""
+    monkeypatch.setattr(build, "ENABLED", False)
 
 
 @pytest.fixture(scope="session")

@@ -6,25 +6,17 @@ kernel is built; `reference` stays the path it is tested against.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from slipstream import kernels
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata
+from slipstream.backends.cpu import abi
 from slipstream.kvcache.cache import LayerKVCache
 
 
 def supports(q: torch.Tensor, cache) -> bool:
     return (isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
-            and q.device.type == "cpu" and _kernel() is not None)
-
-
-def _kernel():
-    P, I32, I64 = kernels.PTR, kernels.I32, kernels.I64
-    return kernels.function("paged_attention", "paged_decode_attention_bf16", P, P, P, P, P, P, I32, I32, I32, I32,
-                            I64, I32, I32, kernels.F32, I64, I32, restype=ctypes.c_int)
+            and q.device.type == "cpu" and abi.kernels() is not None)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
@@ -46,9 +38,14 @@ def decode(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale:
            out: torch.Tensor) -> bool:
     """Attention of decode queries q [B, Hq, D] into `out` (contiguous); False if the kernel declined."""
     q = q.contiguous()
-    tables, lens = meta.decode_block_tables, meta.decode_context_lens
     kv_heads, num_blocks, block_size, dim = cache.k.shape
-    status = _kernel()(q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), tables.data_ptr(),
-                       lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], kv_heads, dim, num_blocks,
-                       block_size, tables.shape[1], scale, window or 0, kernels.threads())
-    return status == 0
+    layer = abi.PagedAttention(cache.k.data_ptr(), cache.v.data_ptr(), num_blocks, window or 0, block_size,
+                               q.shape[1], kv_heads, dim, scale)
+    batch = decode_batch(q.shape[0], meta.decode_block_tables, meta.decode_context_lens)
+    return abi.kernels().paged_decode_attention(layer, batch, q.data_ptr(), out.data_ptr()) == 0
+
+
+def decode_batch(batch: int, tables: torch.Tensor, lens: torch.Tensor) -> abi.DecodeBatch:
+    """The kernels' description of `batch` decode queries over contiguous int64 block tables
+    [batch, max_blocks] and context lengths [batch]; the tensors must outlive the call."""
+    return abi.DecodeBatch(batch, tables.data_ptr(), lens.data_ptr(), tables.shape[1], abi.threads())

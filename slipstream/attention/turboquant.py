@@ -24,11 +24,13 @@ import math
 
 import torch
 
-from slipstream import kernels
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
+from slipstream.attention.native import decode_batch
+from slipstream.backends.cpu import abi
 from slipstream.kvcache.recent_window import RecentWindow
-from slipstream.kvcache.turboquant_cache import SLACK, TurboQuantLayerCache
+from slipstream.kvcache.turboquant import TurboQuantizer
+from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
@@ -92,9 +94,9 @@ def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tur
                    tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor | None:
     """The C kernel on the codes (and on the 16-bit window's tokens, if any), q [B, Hk, G, D] -> [B, Hk, G, D]
     float32; None where it does not run."""
-    kernel = _kernel()
+    lib = abi.kernels() if q.device.type == "cpu" else None
     recent = cache.window
-    if (kernel is None or q.device.type != "cpu" or not (_has_slack(cache.k) and _has_slack(cache.v))
+    if (lib is None or not (_has_slack(cache.k, lib) and _has_slack(cache.v, lib))
             or (recent is not None and recent.k.dtype not in _DENSE_DTYPES)):
         return None
     to_keys, back = cache.decode_maps
@@ -102,36 +104,31 @@ def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tur
     q = q.float().contiguous()
     out = torch.empty_like(q)
     tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
-    keys, values = cache.key_quantizer, cache.value_quantizer
-    (k_ints, k_floats), (v_ints, v_floats) = keys.row_layout, values.row_layout
-    window_args = [None] * 5 + [0, 0, 0, None]
+    keys, values = _code_rows(cache.k, cache.key_quantizer), _code_rows(cache.v, cache.value_quantizer)
+    layer = abi.TurboQuantAttention(keys, values, to_keys.data_ptr(), back.data_ptr(), None, window or 0, heads, group,
+                                    dim, cache.block_size, scale)
     if recent is not None:
         k, v = k.to(recent.k.dtype).contiguous(), v.to(recent.v.dtype).contiguous()
-        window_args = [recent.staging_of.data_ptr(), recent.k.data_ptr(), recent.v.data_ptr(), k.data_ptr(),
-                       v.data_ptr(), int(recent.k.dtype == torch.bfloat16), recent.tokens, recent.sinks,
-                       cache.key_mean.contiguous().data_ptr()]
-    status = kernel(q.data_ptr(), to_keys.data_ptr(), back.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
-                    k_ints.data_ptr(), k_floats.data_ptr(), len(k_ints), keys.nbytes, keys.code_width,
-                    v_ints.data_ptr(), v_floats.data_ptr(), len(v_ints), values.nbytes, values.code_width,
-                    tables.data_ptr(), lens.data_ptr(), scale, out.data_ptr(), batch, heads, group, dim,
-                    cache.block_size, tables.shape[1], window or 0, *window_args, kernels.threads())
+        key_mean = cache.key_mean.contiguous()
+        layer.dense = ctypes.pointer(abi.DenseTokens(
+            recent.staging_of.data_ptr(), recent.k.data_ptr(), recent.v.data_ptr(), k.data_ptr(), v.data_ptr(),
+            key_mean.data_ptr(), recent.tokens, recent.sinks, int(recent.k.dtype == torch.bfloat16)))
+    status = lib.turboquant_decode_attention(layer, decode_batch(batch, tables, lens), q.data_ptr(), out.data_ptr())
     return out if status == 0 else None
+
+
+def _code_rows(rows: torch.Tensor, quantizer: TurboQuantizer) -> abi.CodeRows:
+    pieces, values = quantizer.row_layout  # cached on the quantizer: alive as long as the cache
+    return abi.CodeRows(rows.data_ptr(), pieces.data_ptr(), values.data_ptr(), len(pieces), quantizer.nbytes,
+                        quantizer.code_width)
 
 
 _DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the 16-bit window's dtypes the kernel reads
 
 
-def _has_slack(rows: torch.Tensor) -> bool:
-    """The kernel's 16-byte loads may run past the last row (see turboquant_cache.SLACK)."""
-    return rows.untyped_storage().nbytes() - rows.storage_offset() - rows.numel() >= SLACK
-
-
-def _kernel():
-    p, i32, i64 = kernels.PTR, kernels.I32, kernels.I64
-    return kernels.function("turboquant_attention", "turboquant_decode_attention",
-                            p, p, p, p, p, p, p, i32, i32, i32, p, p, i32, i32, i32, p, p, kernels.F32, p,
-                            i32, i32, i32, i32, i32, i32, i64, p, p, p, p, p, i32, i64, i64, p, i32,
-                            restype=ctypes.c_int)
+def _has_slack(rows: torch.Tensor, lib: abi.Kernels) -> bool:
+    """The kernel's wide loads may run past the last row (turboquant_cache.row_slack)."""
+    return rows.untyped_storage().nbytes() - rows.storage_offset() - rows.numel() >= lib.turboquant_row_slack
 
 
 def _decode_dense(recent: RecentWindow, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,

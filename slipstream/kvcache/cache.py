@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from slipstream import kernels
+from slipstream.backends.cpu import abi
 from slipstream.kvcache.dtype import KVCacheDtype
 from slipstream.kvcache.recent_window import staging_blocks
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
@@ -27,11 +27,11 @@ class LayerKVCache:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k, v: [T, num_kv_heads, head_dim] for the step's new tokens."""
-        kernel = _write_kernel() if self._native(k, v) else None
-        if kernel is not None:
+        lib = abi.kernels() if self._native(k, v) else None
+        if lib is not None:
             heads, blocks, block_size, dim = self.k.shape
-            kernel(k.data_ptr(), v.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), slot_mapping.data_ptr(),
-                   k.shape[0], k.stride(0), heads, dim, blocks * block_size)
+            lib.cache_write_bf16(k.data_ptr(), v.data_ptr(), self.k.data_ptr(), self.v.data_ptr(),
+                                 slot_mapping.data_ptr(), k.shape[0], k.stride(0), heads, dim, blocks * block_size)
             return
         self.k.view(self.k.shape[0], -1, self.k.shape[-1])[:, slot_mapping] = self._store(k).transpose(0, 1)
         self.v.view(self.v.shape[0], -1, self.v.shape[-1])[:, slot_mapping] = self._store(v).transpose(0, 1)
@@ -64,11 +64,6 @@ class LayerKVCache:
         heads, num_blocks, block_size, dim = cache.shape
         rows = cache.view(heads, num_blocks, block_size * dim).index_select(1, blocks)
         return rows.view(heads, -1, dim).to(dtype)
-
-
-def _write_kernel():
-    P, I32, I64 = kernels.PTR, kernels.I32, kernels.I64
-    return kernels.function("cache_write", "cache_write_bf16", P, P, P, P, P, I64, I64, I32, I32, I64)
 
 
 class KVCache:

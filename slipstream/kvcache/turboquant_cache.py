@@ -25,13 +25,12 @@ first tokens of each sequence in 16 bits; attention reads them from there, not t
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 
 import torch
 
-from slipstream import kernels
+from slipstream.backends.cpu import abi
 from slipstream.kvcache.recent_window import RecentWindow
 from slipstream.kvcache.turboquant import TurboQuantizer
 
@@ -134,37 +133,37 @@ class TurboQuantLayerCache:
         return keys.to(dtype), self.value_quantizer.dequantize(v).to(dtype)
 
 
-# Bytes allocated past the last row: the native decode kernel loads 16 bytes per 16 codes, so its loads may
-# run past a row's end, and past the last row into this slack; never read as codes.
-SLACK = 16
-
-
 def _rows(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.zeros(math.prod(shape) + SLACK, dtype=torch.uint8, device=device)[:-SLACK].view(shape)
+    """Zeroed code rows with `row_slack` bytes allocated after the last one."""
+    count = math.prod(shape)
+    return torch.zeros(count + row_slack(device), dtype=torch.uint8, device=device)[:count].view(shape)
+
+
+def row_slack(device: torch.device) -> int:
+    """Bytes past the last row that the native decode kernel's wide loads may read (never as codes):
+    its own figure on the CPU where it is built, else none."""
+    lib = abi.kernels() if device.type == "cpu" else None
+    return 0 if lib is None else lib.turboquant_row_slack
 
 
 def _native_write(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots: torch.Tensor,
                   mean: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> bool:
     """Encode x [T, H, D] (as (x - mean) / scale if given) into rows [num_blocks, block_size, H, nbytes] at
     slots with kernels/turboquant_encode.c; False where it does not run."""
-    kernel = _encode_kernel()
-    if kernel is None or rows.device.type != "cpu":
+    lib = abi.kernels() if rows.device.type == "cpu" else None
+    if lib is None:
         return False
     x, slots = x.float().contiguous(), slots.to(torch.int64).contiguous()
+    mean, scale = (None if t is None else t.contiguous() for t in (mean, scale))
     info, constants = quantizer.encode_tables
-    order = quantizer.channel_order
-    status = kernel(x.data_ptr(), None if mean is None else mean.contiguous().data_ptr(),
-                    None if scale is None else scale.contiguous().data_ptr(),
-                    None if order is None else order.data_ptr(), info.data_ptr(), constants.data_ptr(), len(info),
-                    x.shape[0], x.shape[1], x.shape[2], slots.data_ptr(), rows.data_ptr(), quantizer.nbytes,
-                    kernels.threads())
-    return status == 0
+    call = abi.TurboQuantEncode(x.data_ptr(), _pointer(mean), _pointer(scale), _pointer(quantizer.channel_order),
+                                info.data_ptr(), constants.data_ptr(), slots.data_ptr(), rows.data_ptr(),
+                                x.shape[0], len(info), x.shape[1], x.shape[2], quantizer.nbytes, abi.threads())
+    return lib.turboquant_encode(call) == 0
 
 
-def _encode_kernel():
-    p, i32, i64 = kernels.PTR, kernels.I32, kernels.I64
-    return kernels.function("turboquant_encode", "turboquant_encode", p, p, p, p, p, p, i32, i64, i32, i32, p, p,
-                            i32, i32, restype=ctypes.c_int)
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _by_head(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,11 @@ Measured on one core of the development machine (AVX512-BF16, no AMX), torch 2.1
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream import kernels
+from slipstream.backends.cpu import abi
 from slipstream.platform import cpu_has_amx
 
 UPCAST_MIN_ROWS = 128
@@ -71,9 +69,10 @@ def pack_columns(weight: torch.Tensor) -> torch.Tensor:
 
 
 def native_gemm_fits(weight: torch.Tensor) -> bool:
-    """Whether kernels/gemm.c is built for this CPU (AVX-512) and can tile `weight`'s columns."""
-    available = kernels.function("gemm", "gemm_bf16_available", restype=ctypes.c_int)
-    return available is not None and available() == 1 and weight.shape[0] % 16 == 0 and weight.device.type == "cpu"
+    """Whether kernels/gemm.c is built with a path for this ISA (AVX-512) and can tile `weight`'s columns."""
+    lib = abi.kernels()
+    fits = weight.shape[0] % 16 == 0 and weight.device.type == "cpu"
+    return fits and lib is not None and lib.gemm_bf16_available() == 1
 
 
 def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
@@ -84,17 +83,14 @@ def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | N
     x = x.contiguous()
     blocks, k = packed.shape[0], x.shape[1]
     out = x.new_empty(x.shape[0], blocks * 16)
-    P, I64, I32 = kernels.PTR, kernels.I64, kernels.I32
-    args = (out.data_ptr(), x.shape[0], out.shape[1], k, kernels.threads())
+    lib = abi.kernels()
+    args = (out.data_ptr(), x.shape[0], out.shape[1], k, abi.threads())
     if packed.dtype == torch.bfloat16:
-        gemm = kernels.function("gemm", "gemm_bf16", P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
-        status = gemm(x.data_ptr(), packed.data_ptr(), *args)
+        status = lib.gemm_bf16(x.data_ptr(), packed.data_ptr(), *args)
     elif low is None:
-        gemm = kernels.function("gemm", "gemm_int8", P, P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
-        status = gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
+        status = lib.gemm_int8(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
     else:
-        gemm = kernels.function("gemm", "gemm_int4", P, P, P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
-        status = gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), low.data_ptr(), *args)
+        status = lib.gemm_int4(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), low.data_ptr(), *args)
     if status != 0:  # shapes were checked when packing; what is left is a failed allocation
         raise MemoryError(f"native GEMM could not allocate its copy of the {x.shape[0]}x{k} input")
     return out

@@ -28,7 +28,6 @@ names beyond the stacked layout (`stack_expert_weights` builds it from per-exper
 """
 from __future__ import annotations
 
-import ctypes
 import re
 from typing import Iterable, Iterator
 
@@ -36,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream import kernels
+from slipstream.backends.cpu import abi
 from slipstream.layers.linear import Linear, linear
 from slipstream.platform import cpu_has_amx
 
@@ -193,10 +192,10 @@ def widened_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, buffer:
 def native_expert_fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether kernels/moe_expert.c is built and takes these stacked weights: bf16, contiguous,
     H and I multiples of 16."""
-    available = kernels.function("moe_expert", "moe_expert_available", restype=ctypes.c_int)
+    lib = abi.kernels()
     hidden, width = down.shape[-2:]
     laid_out = all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.device.type == "cpu" for w in (gate_up, down))
-    return available is not None and available() == 1 and hidden % 16 == 0 and width % 16 == 0 and laid_out
+    return lib is not None and lib.moe_expert_available() == 1 and hidden % 16 == 0 and width % 16 == 0 and laid_out
 
 
 def native_expert(x: torch.Tensor, token: torch.Tensor, pair_weights: torch.Tensor, gate_up: torch.Tensor,
@@ -204,13 +203,11 @@ def native_expert(x: torch.Tensor, token: torch.Tensor, pair_weights: torch.Tens
     """out[token[j]] += pair_weights[j] * down(silu(gate) * up of x[token[j]]), in float32, for one
     expert (gate_up [2I, H], down [H, I]) on bf16 x [T, H] (kernels/moe_expert.c). `token` holds
     distinct int64 rows; `pair_weights` is float32; `out` is float32 [T, H]."""
-    P, I32, I64 = kernels.PTR, kernels.I32, kernels.I64
-    kernel = kernels.function("moe_expert", "moe_expert_silu", P, P, P, I64, P, P, P, I64, I64, I32,
-                              restype=ctypes.c_int)
     x, token, pair_weights = x.contiguous(), token.contiguous(), pair_weights.float().contiguous()
     hidden, width = down.shape
-    status = kernel(x.data_ptr(), token.data_ptr(), pair_weights.data_ptr(), token.numel(), gate_up.data_ptr(),
-                    down.data_ptr(), out.data_ptr(), hidden, width, kernels.threads())
+    status = abi.kernels().moe_expert_silu(x.data_ptr(), token.data_ptr(), pair_weights.data_ptr(), token.numel(),
+                                           gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), hidden, width,
+                                           abi.threads())
     if status != 0:  # shapes were checked by native_expert_fits; what is left is a failed allocation
         raise MemoryError(f"native MoE expert could not allocate its buffers for {token.numel()} tokens")
 

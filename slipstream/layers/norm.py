@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream import kernels
+from slipstream.backends.cpu import abi
 
 
 class RMSNorm(nn.Module):
@@ -19,11 +19,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = _kernel() if _native(x, self.weight) else None
-        if kernel is not None:
+        lib = abi.kernels() if _native(x, self.weight) else None
+        if lib is not None:
             out = torch.empty_like(x)
-            kernel(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-                   self.eps, kernels.threads())
+            lib.rms_norm_bf16(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                              x.shape[-1], self.eps, abi.threads())
             return out
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # one fused kernel, not five ops
         return self.weight * normed.to(x.dtype)
@@ -32,8 +32,3 @@ class RMSNorm(nn.Module):
 def _native(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous()
             and not torch.is_grad_enabled())
-
-
-def _kernel():
-    P, I32, I64 = kernels.PTR, kernels.I32, kernels.I64
-    return kernels.function("norm", "rms_norm_bf16", P, P, P, I64, I32, kernels.F32, I32)

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from slipstream import kernels
+from slipstream.backends.cpu import abi
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -29,10 +29,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their own dtype."""
-        kernel = _kernel() if _native(q, k) and self.cos.dtype == torch.float32 else None
-        if kernel is not None:  # in place: q and k are views of a fresh QKV projection
-            kernel(q.data_ptr(), k.data_ptr(), q.stride(0), q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-                   self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), kernels.threads())
+        lib = abi.kernels() if _native(q, k) and self.cos.dtype == torch.float32 else None
+        if lib is not None:  # in place: q and k are views of a fresh QKV projection
+            lib.rotary_bf16(q.data_ptr(), k.data_ptr(), q.stride(0), q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                            self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), abi.threads())
             return q, k
         cos, sin = self._lookup(positions)
         qk = _rotate(torch.cat([q, k], dim=1), cos, sin)  # one pass over both: half the ops
@@ -48,11 +48,6 @@ def _native(q: torch.Tensor, k: torch.Tensor) -> bool:
     """bf16 CPU views sharing one token stride (any, for one token), heads packed within a token."""
     return (q.dtype == k.dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_grad_enabled()
             and (q.shape[0] == 1 or q.stride(0) == k.stride(0)) and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1))
-
-
-def _kernel():
-    P, I32, I64 = kernels.PTR, kernels.I32, kernels.I64
-    return kernels.function("rotary", "rotary_bf16", P, P, I64, I64, I32, I32, I32, P, P, P, I32)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

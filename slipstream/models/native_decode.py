@@ -18,68 +18,44 @@ import ctypes
 import torch
 from torch import nn
 
-from slipstream import kernels
 from slipstream.attention.metadata import AttentionMetadata
+from slipstream.backends.cpu import abi
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear
 from slipstream.layers.quantization import Int4Linear, Int8Linear
 
-P, I32, I64, F32 = kernels.PTR, kernels.I32, kernels.I64, kernels.F32
-WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 = range(3)
-# the attention kernel's per-task buffers (kernels/paged_attention.c)
-MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64
 
-
-class _Weight(ctypes.Structure):
-    _fields_ = [("kind", I32), ("weight", P), ("scale", P), ("low", P), ("n", I64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", P), ("post_attention_norm", P), ("qkv", _Weight), ("o", _Weight),
-                ("gate_up", _Weight), ("down", _Weight), ("k_cache", P), ("v_cache", P), ("num_blocks", I64),
-                ("window", I64), ("block_size", I32), ("q_heads", I32), ("kv_heads", I32), ("head_dim", I32),
-                ("hidden", I32), ("intermediate", I32), ("eps", F32), ("scale", F32)]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("tokens", I64), ("positions", P), ("slots", P), ("block_tables", P), ("context_lens", P),
-                ("cos", P), ("sin", P), ("max_blocks", I32), ("threads", I32)]
-
-
-def _kernel():
-    return kernels.function("decoder_layer", "decoder_layers_decode", ctypes.POINTER(_Layer), I32,
-                            ctypes.POINTER(_Step), P, restype=ctypes.c_int)
-
-
-def packed_weight(linear: nn.Module) -> _Weight | None:
+def packed_weight(linear: nn.Module, lib: abi.Kernels) -> abi.Weight | None:
     """The C description of a projection with a native packed weight and no bias, else None."""
     if getattr(linear, "bias", None) is not None or getattr(linear, "packed", None) is None:
         return None
     if isinstance(linear, Linear) and linear.native:
-        return _Weight(WEIGHT_BF16, linear.packed.data_ptr(), None, None, linear.out_features)
+        return abi.Weight(lib.weight_kind_bf16, linear.packed.data_ptr(), None, None, linear.out_features)
     if isinstance(linear, Int8Linear):
-        return _Weight(WEIGHT_INT8, linear.packed.data_ptr(), linear.scale_f32.data_ptr(), None, linear.qweight.shape[0])
+        return abi.Weight(lib.weight_kind_int8, linear.packed.data_ptr(), linear.scale_f32.data_ptr(), None,
+                          linear.qweight.shape[0])
     if isinstance(linear, Int4Linear):
-        return _Weight(WEIGHT_INT4, linear.packed.data_ptr(), linear.packed_scale.data_ptr(),
-                       linear.packed_low.data_ptr(), linear.packed.shape[0] * 16)
+        return abi.Weight(lib.weight_kind_int4, linear.packed.data_ptr(), linear.packed_scale.data_ptr(),
+                          linear.packed_low.data_ptr(), linear.packed.shape[0] * 16)
     return None
 
 
-def _layer(layer: nn.Module) -> _Layer | None:
+def _layer(layer: nn.Module, lib: abi.Kernels) -> abi.Layer | None:
     """The C description of a llama decoder layer (input_layernorm, self_attn,
     post_attention_layernorm, gated mlp) bound to its KV cache, or None if it does not fit."""
     attn, mlp = layer.self_attn, layer.mlp
     cache = attn.kv_cache
     projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-    weights = [packed_weight(m) for m in projections]
+    weights = [packed_weight(m, lib) for m in projections]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if (None in weights or attn.qk_norm or not _dense_bf16(cache) or any(w.dtype != torch.bfloat16 for w in norms)
             or attn.rotary.cos.dtype != torch.float32 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
         return None
     heads, num_blocks, block_size, head_dim = cache.k.shape
-    if attn.num_heads // heads > MAX_GROUP or head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK:
+    if (attn.num_heads // heads > lib.paged_attention_max_group or head_dim > lib.paged_attention_max_head_dim
+            or block_size > lib.paged_attention_max_block):
         return None
-    return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, cache.k.data_ptr(), cache.v.data_ptr(),
+    return abi.Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, cache.k.data_ptr(), cache.v.data_ptr(),
                   num_blocks, attn.sliding_window or 0, block_size, attn.num_heads, heads, head_dim,
                   norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.scale)
 
@@ -94,18 +70,20 @@ class NativeDecoder:
     def of(cls, layers: nn.ModuleList) -> NativeDecoder | None:
         """The native form of `layers`, built on first use and again whenever a KV cache is
         rebound; None when the kernel is unavailable or any layer does not fit."""
-        if _kernel() is None:
+        lib = abi.kernels()
+        if lib is None:
             return None
         caches = tuple(layer.self_attn.kv_cache for layer in layers)
         built = getattr(layers, "_native_decode", None)
         if built is None or any(a is not b for a, b in zip(built[0], caches)):
-            structs = [_layer(layer) for layer in layers]
-            built = layers._native_decode = (caches, None if None in structs else cls((_Layer * len(structs))(*structs)))
+            structs = [_layer(layer, lib) for layer in layers]
+            native = None if None in structs else cls((abi.Layer * len(structs))(*structs))
+            built = layers._native_decode = (caches, native)
         return built[1]
 
-    def __call__(self, x: torch.Tensor, step: _Step) -> None:
+    def __call__(self, x: torch.Tensor, step: abi.Step) -> None:
         """Runs every layer on the contiguous decode rows x, in place."""
-        if _kernel()(self.layers, len(self.layers), ctypes.byref(step), x.data_ptr()) != 0:
+        if abi.kernels().decoder_layers_decode(self.layers, len(self.layers), step, x.data_ptr()) != 0:
             raise MemoryError(f"native decode could not allocate scratch for {x.shape[0]} tokens")
 
 
@@ -114,7 +92,7 @@ def _dense_bf16(cache) -> bool:
 
 
 def decode_step(meta: AttentionMetadata, positions: torch.Tensor, x: torch.Tensor,
-                rotary: nn.Module) -> _Step | None:
+                rotary: nn.Module) -> abi.Step | None:
     """The step's shared C description when every row of x is a decode token, else None;
     built once per step and kept in the metadata's step cache."""
     tokens = x.shape[0]
@@ -125,7 +103,7 @@ def decode_step(meta: AttentionMetadata, positions: torch.Tensor, x: torch.Tenso
     if key not in meta.step_cache:
         tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
         positions = positions.contiguous()
-        step = _Step(tokens, positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                     rotary.cos.data_ptr(), rotary.sin.data_ptr(), tables.shape[1], kernels.threads())
+        step = abi.Step(tokens, positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                        rotary.cos.data_ptr(), rotary.sin.data_ptr(), tables.shape[1], abi.threads())
         meta.step_cache[key] = (step, tables, lens, positions)  # the tensors stay alive with the step
     return meta.step_cache[key][0]

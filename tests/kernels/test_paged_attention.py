@@ -1,15 +1,14 @@
-"""The native decode-attention kernel against the torch reference, on a real paged layout."""
+"""The native decode-attention and cache-write kernels, in every kernel build, against the torch
+reference, on a real paged layout."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from slipstream import kernels
 from slipstream.attention import native, reference
+from slipstream.backends.cpu import abi, build
+from slipstream.kvcache.cache import LayerKVCache
 from tests.conftest import step_metadata
-from slipstream.kvcache.cache import LayerKVCache, _write_kernel
-
-pytestmark = pytest.mark.skipif(kernels.load("paged_attention") is None, reason="no C compiler for native kernels")
 
 
 def shuffled_block_tables(lens: list[int], block_size: int, num_blocks: int) -> torch.Tensor:
@@ -38,12 +37,13 @@ def _decode_step(lens: list[int], num_heads: int, kv_heads: int, dim: int = 64, 
 
 @pytest.mark.parametrize("num_heads,kv_heads", [(9, 3), (4, 1), (4, 4)])  # GQA (SmolLM2), MQA (Gemma 3), MHA
 @pytest.mark.parametrize("window", [None, 20])
-def test_kernel_equals_reference_decode(num_heads, kv_heads, window):
+def test_kernel_equals_reference_decode(isa, num_heads, kv_heads, window):
     q, cache, meta = _decode_step([1, 17, 100, 16, 250], num_heads, kv_heads)
     ours = torch.empty_like(q)
     assert native.decode(q, cache, meta, 0.125, window, ours)
     ref = reference.decode(q, cache, meta, 0.125, window)
-    # the reference rounds scores and probabilities to bf16; the kernel keeps them in fp32
+    # the reference rounds scores and probabilities to bf16; the kernel keeps them in fp32 (in every
+    # build: plain C that the compiler vectorizes per ISA; measured 0.0032 from fp32 in each)
     exact = reference.decode(q.float(), _float_cache(cache), meta, 0.125, window)
     assert (ours.float() - exact).abs().max() < 0.02
     assert (ours.float() - exact).abs().max() <= (ref.float() - exact).abs().max() + 0.01
@@ -57,7 +57,7 @@ def _float_cache(cache: LayerKVCache) -> LayerKVCache:
     return out
 
 
-def test_kernel_reads_only_each_sequence_blocks():
+def test_kernel_reads_only_each_sequence_blocks(isa):
     """A NaN in a block no table points to, or past a sequence's length, must not reach any output."""
     q, cache, meta = _decode_step([5, 40], 6, 2)
     used = set(meta.decode_block_tables.flatten().tolist())
@@ -70,15 +70,14 @@ def test_kernel_reads_only_each_sequence_blocks():
     assert torch.isfinite(out).all()
 
 
-def test_disabled_native_kernels_fall_back(monkeypatch):
-    monkeypatch.setattr(kernels, "ENABLED", False)
+def test_disabled_native_kernels_fall_back(no_native_kernels):
     q, cache, _ = _decode_step([3], 4, 1)
-    assert kernels.load("paged_attention") is None
+    assert abi.kernels() is None
     assert not native.supports(q, cache)
 
 
 @pytest.mark.parametrize("tokens", [1, 6])
-def test_cache_write_kernel_stores_qkv_views_by_slot_like_torch(monkeypatch, tokens):
+def test_cache_write_kernel_stores_qkv_views_by_slot_like_torch(isa, monkeypatch, tokens):
     torch.manual_seed(0)
     qkv = torch.randn(tokens, (6 + 2 + 2) * 64).bfloat16()
     k = qkv[:, 6 * 64:8 * 64].view(tokens, 2, 64)
@@ -86,9 +85,9 @@ def test_cache_write_kernel_stores_qkv_views_by_slot_like_torch(monkeypatch, tok
     slots = torch.randperm(5 * 16)[:tokens]
     caches = []
     for native_on in (True, False):
-        monkeypatch.setattr(kernels, "ENABLED", native_on)
+        monkeypatch.setattr(build, "ENABLED", native_on)
         cache = LayerKVCache(5, 16, 2, 64, torch.bfloat16, torch.device("cpu"))
-        assert cache._native(k, v) and (_write_kernel() is not None) == native_on
+        assert cache._native(k, v) and (abi.kernels() is not None) == native_on
         cache.write(k, v, slots)
         caches.append(cache)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)

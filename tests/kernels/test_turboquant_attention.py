@@ -1,4 +1,4 @@
-"""The native TurboQuant kernels against their torch twins, on a real paged layout.
+"""The native TurboQuant kernels, in every kernel build, against their torch twins, on a real paged layout.
 
 Decode attention (kernels/turboquant_attention.c) must equal the torch code path (`_attend`
 on codes) and dequantize-then-attend to 1e-5 (both run in float32; the kernel sums in another
@@ -10,17 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream import kernels
 from slipstream.attention import reference, turboquant
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache, _native_write
 from tests.conftest import step_metadata
 from tests.kernels.test_paged_attention import shuffled_block_tables
 
-pytestmark = pytest.mark.skipif(kernels.load("turboquant_attention") is None or kernels.load("turboquant_encode") is None,
-                                reason="no C compiler for native kernels")
-
 DTYPES = ["tq4", "tq3.5", "tq3", "tq2.5", "tq2", "tq3-qjl", "tq4-qjl"]
+# every build: the AVX-512, AVX2 and plain-C decoders each sum in their own order
+# (measured max |diff| 4.7e-6 native with AVX-512, 4.6e-6 x86-64-v3, 4.2e-6 x86-64)
 TOL = 1e-5
 
 
@@ -67,7 +65,7 @@ def _torch_decode(q, cache, meta, window):
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,kv_heads", [(9, 3), (4, 1), (6, 2)])  # GQA (SmolLM2), MQA (Gemma 3), group 3
 @pytest.mark.parametrize("window", [None, 20])
-def test_kernel_equals_torch_code_path_and_dequantize_then_attend(kv_dtype, num_heads, kv_heads, window):
+def test_kernel_equals_torch_code_path_and_dequantize_then_attend(isa, kv_dtype, num_heads, kv_heads, window):
     q, cache, meta = _decode_step(kv_dtype, [1, 17, 100, 16, 250], num_heads, kv_heads)
     ours = _kernel_decode(q, cache, meta, window)
     assert (ours - _torch_decode(q, cache, meta, window)).abs().max() < TOL
@@ -76,19 +74,19 @@ def test_kernel_equals_torch_code_path_and_dequantize_then_attend(kv_dtype, num_
 
 @pytest.mark.parametrize("kv_dtype", ["tq3", "tq2.5", "tq4-qjl"])
 @pytest.mark.parametrize("dim", [128, 256])  # Gemma 3: head_dim 256, one KV head, sliding-window layers
-def test_kernel_with_larger_heads(kv_dtype, dim):
+def test_kernel_with_larger_heads(isa, kv_dtype, dim):
     q, cache, meta = _decode_step(kv_dtype, [40, 77], 4, 1, dim=dim)
     for window in (None, 20):
         assert (_kernel_decode(q, cache, meta, window) - _torch_decode(q, cache, meta, window)).abs().max() < TOL
 
 
 @pytest.mark.parametrize("group", [5, 8])  # the generic, not specialised, group sizes
-def test_kernel_with_other_group_sizes(group):
+def test_kernel_with_other_group_sizes(isa, group):
     q, cache, meta = _decode_step("tq3", [33, 70], group * 2, 2, block_size=8)
     assert (_kernel_decode(q, cache, meta, None) - _torch_decode(q, cache, meta, None)).abs().max() < TOL
 
 
-def test_kernel_reads_only_each_sequence_blocks():
+def test_kernel_reads_only_each_sequence_blocks(isa):
     """A NaN norm in a block no table points to, or past a sequence's length, must not reach any output."""
     q, cache, meta = _decode_step("tq3", [5, 40], 6, 2)
     used = set(meta.decode_block_tables.flatten().tolist())
@@ -101,7 +99,7 @@ def test_kernel_reads_only_each_sequence_blocks():
 @pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0)])
 @pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 12])
-def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(monkeypatch, recent, sinks, dense_dtype, window):
+def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, monkeypatch, recent, sinks, dense_dtype, window):
     """With 16-bit windows the kernel reads staged tokens (and the query's own) in 16 bits, the rest from codes."""
     g = torch.Generator().manual_seed(2)
     block_size, kv_heads, num_heads, lens = 4, 2, 6, [37, 9]
@@ -121,12 +119,12 @@ def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(monkeypatch, r
     turboquant._stage(cache.window, k, v, meta)
     assert cache.window.exists(tables[0]).any()
     ours = turboquant._decode(q, k, v, cache, meta, 0.125, window)
-    monkeypatch.setattr(turboquant, "_kernel", lambda: None)
+    monkeypatch.setattr(turboquant, "_native_decode", lambda *args: None)
     assert (ours - turboquant._decode(q, k, v, cache, meta, 0.125, window)).abs().max() < TOL
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES + ["tq2-qjl"])
-def test_native_encoder_writes_the_bytes_quantize_returns(kv_dtype):
+def test_native_encoder_writes_the_bytes_quantize_returns(isa, kv_dtype):
     cache = _cache(kv_dtype, 3, 9, 64)
     x = torch.randn(1024, 3, 64, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.2, 5.0, 64)
     slots = torch.randperm(1024)
@@ -143,16 +141,15 @@ def test_native_encoder_writes_the_bytes_quantize_returns(kv_dtype):
         assert error.max() < 0.2 and error.mean() < 1e-3
 
 
-def test_disabled_native_kernels_fall_back(monkeypatch):
-    monkeypatch.setattr(kernels, "ENABLED", False)
+def test_disabled_native_kernels_fall_back(no_native_kernels):
     q, cache, meta = _decode_step("tq3", [3], 4, 1)
     assert turboquant._native_decode(q.view(1, 1, 4, 64), None, None, cache, meta.decode_block_tables,
                                      meta.decode_context_lens, 0.125, None) is None
     assert not _native_write(cache.k, cache.key_quantizer, torch.randn(1, 1, 64), torch.tensor([0]))
 
 
-def test_rows_without_slack_take_the_torch_path():
-    """The kernel's 16-byte loads may run past the last row: it only reads rows allocated with SLACK after them."""
+def test_rows_without_slack_take_the_torch_path(isa):
+    """The kernel's wide loads may run past the last row: it only reads rows allocated with the slack after them."""
     q, cache, meta = _decode_step("tq3", [20], 4, 1)
     args = (q.view(1, 1, 4, 64), None, None, cache, meta.decode_block_tables, meta.decode_context_lens, 0.125, None)
     assert turboquant._native_decode(*args) is not None

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream import kernels
+from slipstream.backends.cpu import build
 from slipstream.layers import moe
 from slipstream.layers.moe import SparseMoeBlock, TopKRouter, load_balance_summary, stack_expert_weights
 
@@ -106,7 +106,7 @@ def test_bf16_large_groups_run_in_float32(monkeypatch):
     in blocks of rows, the last one partial), smaller ones in bf16; both match a float32 computation.
     (tests/kernels/test_moe_expert.py covers the native kernel.)"""
     monkeypatch.setattr(moe, "cpu_has_amx", lambda: False)
-    monkeypatch.setattr(kernels, "ENABLED", False)
+    monkeypatch.setattr(build, "ENABLED", False)
     monkeypatch.setattr(moe, "UPCAST_MIN_TOKENS", 30)
     monkeypatch.setattr(moe, "WIDEN_BLOCK", 5 * I)  # gate_up [48, 16]: blocks of 7 rows; down [16, 24]: 5
     upcast = []

@@ -1,17 +1,13 @@
-"""Decode steps through kernels/decoder_layer.c (one call for all layers) against the per-kernel torch path."""
+"""Decode steps through kernels/decoder_layer.c (one call for all layers), in every kernel build whose
+GEMMs it can use, against the per-kernel torch path."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from slipstream import LLM, SamplingParams
-from slipstream.layers.linear import native_gemm_fits
-from slipstream.models import native_decode
 from slipstream.models.native_decode import NativeDecoder
 from tests.conftest import build_tiny_checkpoint, random_prompts
-
-pytestmark = pytest.mark.skipif(native_decode._kernel() is None or not native_gemm_fits(torch.empty(16, 2)),
-                                reason="native decode needs a compiler and AVX-512")
 
 # bf16 on both sides; the paths round every intermediate alike except SiLU's exp (last float
 # bit before rounding to bf16): observed identical logprobs
@@ -41,7 +37,8 @@ def _count_calls(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("family,num_kv_heads,quantization", CASES,
                          ids=[f"{f}-kv{k}-{q or 'bf16'}" for f, k, q in CASES])
-def test_native_decode_matches_the_per_kernel_path(tmp_path, monkeypatch, family, num_kv_heads, quantization):
+def test_native_decode_matches_the_per_kernel_path(gemm_isa, tmp_path, monkeypatch, family, num_kv_heads,
+                                                   quantization):
     # mistral: a sliding window shorter than the sequences, so the window rule is exercised
     overrides = {"sliding_window": 12} if family == "mistral" else {}
     path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=num_kv_heads, seed=3, **overrides)
@@ -50,14 +47,14 @@ def test_native_decode_matches_the_per_kernel_path(tmp_path, monkeypatch, family
     llm, tokens, logprobs = _generate(path, quantization, prompts, block_size=4)
     assert calls[0] == 9  # 9 decode steps of all four sequences
     assert llm.stats()["num_used_blocks"] == 0
-    monkeypatch.setattr(native_decode, "_kernel", lambda: None)
+    monkeypatch.setattr(NativeDecoder, "of", lambda layers: None)
     _, expected_tokens, expected_logprobs = _generate(path, quantization, prompts, block_size=4)
     assert tokens == expected_tokens
     torch.testing.assert_close(logprobs, expected_logprobs, atol=LOGPROB_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q/k/v biases, per-head q/k norms
-def test_layers_the_kernel_does_not_cover_keep_the_torch_path(tmp_path, monkeypatch, family):
+def test_layers_the_kernel_does_not_cover_keep_the_torch_path(gemm_isa, tmp_path, monkeypatch, family):
     path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=2)
     calls = _count_calls(monkeypatch)
     llm, tokens, _ = _generate(path, None, random_prompts(2, 3, 8, seed=1))
@@ -65,7 +62,7 @@ def test_layers_the_kernel_does_not_cover_keep_the_torch_path(tmp_path, monkeypa
     assert NativeDecoder.of(llm.engine.runner.model.model.layers) is None
 
 
-def test_turboquant_and_float32_caches_keep_the_torch_path(tiny_llama, monkeypatch):
+def test_turboquant_and_float32_caches_keep_the_torch_path(gemm_isa, tiny_llama, monkeypatch):
     calls = _count_calls(monkeypatch)
     for args in (dict(dtype="bfloat16", kv_cache_dtype="tq4"), dict(dtype="float32")):
         llm = LLM(tiny_llama, **args)
@@ -93,7 +90,7 @@ def smollm2_reference(smollm2_gguf):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", list(SMOLLM2_DECODE_TOLERANCE))
-def test_smollm2_native_decode_matches_transformers(smollm2_reference, monkeypatch, quantization):
+def test_smollm2_native_decode_matches_transformers(gemm_isa, smollm2_reference, monkeypatch, quantization):
     """Decode logprobs on the real model (GQA, 30 layers), batched, against transformers in
     float32 scoring the tokens we generated."""
     calls = _count_calls(monkeypatch)

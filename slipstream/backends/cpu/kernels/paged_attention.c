@@ -9,10 +9,25 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "decode_batch.h"
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define MAX_BLOCK 64
+
+// One layer's bf16 cache and the shape of its attention.
+typedef struct {
+    const uint16_t *k_cache, *v_cache;  // [kv_heads, num_blocks, block_size, head_dim]
+    int64_t num_blocks, window;         // window > 0 limits each query to its last `window` tokens
+    int32_t block_size, q_heads, kv_heads, head_dim;
+    float scale;
+} PagedAttention;
+
+// Read by backends/cpu/abi.py: the per-task buffers' limits (models/native_decode.py checks shapes against
+// them before a call), and the sizes its mirrors of the structs are checked against.
+const int32_t paged_attention_max_group = MAX_GROUP, paged_attention_max_head_dim = MAX_DIM,
+              paged_attention_max_block = MAX_BLOCK;
+const int32_t sizeof_PagedAttention = sizeof(PagedAttention), sizeof_DecodeBatch = sizeof(DecodeBatch);
 
 // e^x for x <= 0 (softmax exponents after the max is taken off), in a form gcc vectorizes:
 // 2^n * e^r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7).
@@ -88,10 +103,11 @@ static inline __attribute__((always_inline)) void attend_one(const uint16_t *q, 
 // q, out: [batch, q_heads, dim]; block_tables: [batch, max_blocks]; context_lens: [batch].
 // window > 0 limits each query to its last `window` tokens (sliding-window layers).
 // Returns 0, or -1 when a shape exceeds the fixed per-task buffers (caller falls back).
-int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                                const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
-                                int batch, int q_heads, int kv_heads, int dim, int64_t num_blocks,
-                                int block_size, int max_blocks, float scale, int64_t window, int threads) {
+// Positional, for C callers: decoder_layer.c includes this file and calls it directly.
+static int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                       const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
+                                       int batch, int q_heads, int kv_heads, int dim, int64_t num_blocks,
+                                       int block_size, int max_blocks, float scale, int64_t window, int threads) {
     int group = q_heads / kv_heads;
     if (group > MAX_GROUP || dim > MAX_DIM || block_size > MAX_BLOCK) return -1;
     int64_t head_stride = num_blocks * block_size * dim;
@@ -112,4 +128,11 @@ int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, cons
         }
     }
     return 0;
+}
+
+// The entry point for Python: q, out: [batch->batch, a->q_heads, a->head_dim] bf16. Returns 0, or -1 as above.
+int paged_decode_attention(const PagedAttention *a, const DecodeBatch *b, const uint16_t *q, uint16_t *out) {
+    return paged_decode_attention_bf16(q, a->k_cache, a->v_cache, b->block_tables, b->context_lens, out, (int)b->batch,
+                                       a->q_heads, a->kv_heads, a->head_dim, a->num_blocks, a->block_size,
+                                       b->max_blocks, a->scale, a->window, b->threads);
 }

@@ -18,10 +18,52 @@
 #include <immintrin.h>
 #endif
 
+#include "decode_batch.h"
+
 #define MAX_GROUP 16
 #define MAX_WIDTH 512  // code-space width: head_dim, or 2 * head_dim for QJL keys
 #define MAX_BLOCK 64
 #define MAX_PIECES 4
+#define ROW_SLACK 16   // bytes a decoder may read past a row's end (the AVX-512 path's 16-byte load)
+
+// K or V codes: the cache [num_blocks, block_size, kv_heads, bytes] uint8 and its row layout
+// (TurboQuantizer.row_layout): `count` pieces as [count][5] ints (offset, bits, codes, norm_at, gamma_at;
+// byte offsets in the row, gamma_at < 0: no gamma) and [count][17] floats (factor, then the 16 code values).
+typedef struct {
+    const uint8_t *cache;
+    const int32_t *pieces;
+    const float *values;
+    int32_t count, bytes, width;  // pieces, bytes per row, code-space width
+} CodeRows;
+
+// The recent/sink window's 16-bit tokens (kvcache/recent_window.py): per physical block its staging block
+// or -1, the staged K/V [staging blocks, block_size, heads, dim] and the step's own K/V [batch, heads, dim],
+// both bf16 (bf16 = 1) or float32; codes hold k - key_mean ([heads, dim]), so 16-bit keys are read as k - mean.
+typedef struct {
+    const int64_t *staging_of;
+    const void *staged_k, *staged_v, *own_k, *own_v;
+    const float *key_mean;
+    int64_t recent, sinks;
+    int32_t bf16;
+} DenseTokens;
+
+// One layer. to_keys: [kv_heads, dim, keys.width] maps a query into key code space (rotation, QJL projection,
+// key scale), back: [kv_heads, values.width, dim] maps value code space back to channels
+// (TurboQuantLayerCache.decode_maps); scores are scaled by `scale`.
+typedef struct {
+    CodeRows keys, values;
+    const float *to_keys, *back;
+    const DenseTokens *dense;  // NULL: every token is read from its codes
+    int64_t window;            // > 0 limits each query to its last `window` tokens (sliding-window layers)
+    int32_t kv_heads, group, dim, block_size;
+    float scale;
+} TurboQuantAttention;
+
+// Read by backends/cpu/abi.py: the slack the cache allocates after its last row, and the sizes its
+// mirrors of the structs are checked against.
+const int32_t turboquant_row_slack = ROW_SLACK;
+const int32_t sizeof_CodeRows = sizeof(CodeRows), sizeof_DenseTokens = sizeof(DenseTokens),
+              sizeof_TurboQuantAttention = sizeof(TurboQuantAttention);
 
 // `VW` codes at a time: AVX-512 (with VBMI byte permutes), AVX2, or plain C.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
@@ -51,7 +93,7 @@ static void make_decoder(Decoder *d, int bits, const float *values) {
     d->table = _mm512_loadu_ps(table);
 }
 // The 16-byte load reads past the 2 * bits bytes of the 16 codes, into the rest of the row, the next rows, or
-// the slack that TurboQuantLayerCache allocates after the last row (SLACK); those bytes are never used.
+// the slack that TurboQuantLayerCache allocates after the last row (ROW_SLACK); those bytes are never used.
 static inline vec decode(const Decoder *d, int bits, const uint8_t *src) {
     (void)bits;
     __m512i bytes = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)src));
@@ -85,7 +127,7 @@ static void make_decoder(Decoder *d, int bits, const float *values) {
     d->high = _mm256_loadu_ps(table + 8);
 }
 // The 4-byte load reads up to 3 bytes past the `bits` bytes of the 8 codes: within the row, the next rows, or
-// the slack after the last row (SLACK in kvcache/turboquant_cache.py).
+// the slack after the last row (ROW_SLACK).
 static inline vec decode(const Decoder *d, int bits, const uint8_t *src) {
     uint32_t word;
     memcpy(&word, src, 4);
@@ -210,9 +252,7 @@ typedef struct {
     const uint8_t *k, *v;  // code rows of KV head 0; a head's rows are `heads` rows apart
     int heads, group, dim, block_size;
     float scale;
-    // The recent/sink 16-bit window (kvcache/recent_window.py), or staging_of == NULL: per physical block its
-    // staging block or -1, the staged K/V [staging blocks, block_size, heads, dim] and the step's own K/V
-    // [batch, heads, dim], both bf16 or float32; codes hold k - mean, so 16-bit keys are read as k - mean.
+    // DenseTokens' fields, or staging_of == NULL
     const int64_t *staging_of;
     const void *staged_k, *staged_v, *own_k, *own_v;
     int bf16;
@@ -374,44 +414,38 @@ static void matmul(const float *a, const float *b, int m, int n, int p, float *c
     }
 }
 
-// q, out: [batch, kv_heads, group, dim] float32. to_keys: [kv_heads, dim, k_width] maps a query into key code
-// space (rotation, QJL projection, key scale), back: [kv_heads, v_width, dim] maps value code space back to
-// channels (TurboQuantLayerCache.decode_maps); scores are scaled by `scale`.
-// k_pieces/k_values (and v_): TurboQuantizer.row_layout, k_count pieces; code rows of k_bytes / v_bytes.
-// block_tables: [batch, max_blocks]; context_lens: [batch].
-// window > 0 limits each query to its last `window` tokens (sliding-window layers).
-// staging_of == NULL, or the 16-bit window: see Step; key_mean [kv_heads, dim] float32.
-// Returns 0, or -1 when a shape or layout is beyond this kernel (caller falls back).
-int turboquant_decode_attention(const float *q, const float *to_keys, const float *back, const uint8_t *k_cache,
-                                const uint8_t *v_cache, const int32_t *k_pieces, const float *k_values, int k_count,
-                                int k_bytes, int k_width, const int32_t *v_pieces, const float *v_values,
-                                int v_count, int v_bytes, int v_width, const int64_t *block_tables,
-                                const int64_t *context_lens, float scale, float *out, int batch, int kv_heads,
-                                int group, int dim, int block_size, int max_blocks, int64_t window,
-                                const int64_t *staging_of, const void *staged_k, const void *staged_v,
-                                const void *own_k, const void *own_v, int bf16, int64_t recent, int64_t sinks,
-                                const float *key_mean, int threads) {
-    Step st = {.k = k_cache, .v = v_cache, .heads = kv_heads, .group = group, .dim = dim, .block_size = block_size,
-               .scale = scale, .staging_of = staging_of, .staged_k = staged_k, .staged_v = staged_v, .own_k = own_k,
-               .own_v = own_v, .bf16 = bf16, .recent = recent, .sinks = sinks, .key_mean = key_mean};
-    if (make_layout(&st.keys, k_pieces, k_values, k_count, k_width, k_bytes) ||
-        make_layout(&st.values, v_pieces, v_values, v_count, v_width, v_bytes))
+// q, out: [batch, kv_heads, group, dim] float32. Returns 0, or -1 when a shape or layout is beyond this kernel
+// (caller falls back).
+int turboquant_decode_attention(const TurboQuantAttention *a, const DecodeBatch *batch, const float *q, float *out) {
+    const DenseTokens none = {0}, *tokens = a->dense ? a->dense : &none;
+    Step st = {.k = a->keys.cache, .v = a->values.cache, .heads = a->kv_heads, .group = a->group, .dim = a->dim,
+               .block_size = a->block_size, .scale = a->scale, .staging_of = tokens->staging_of,
+               .staged_k = tokens->staged_k, .staged_v = tokens->staged_v, .own_k = tokens->own_k,
+               .own_v = tokens->own_v, .bf16 = tokens->bf16, .recent = tokens->recent, .sinks = tokens->sinks,
+               .key_mean = tokens->key_mean};
+    const CodeRows *k = &a->keys, *v = &a->values;
+    if (make_layout(&st.keys, k->pieces, k->values, k->count, k->width, k->bytes) ||
+        make_layout(&st.values, v->pieces, v->values, v->count, v->width, v->bytes))
         return -1;
+    int group = a->group, kv_heads = a->kv_heads, dim = a->dim, k_width = k->width, v_width = v->width;
     if (group > MAX_GROUP || k_width > MAX_WIDTH || v_width > MAX_WIDTH / 2 || dim > MAX_WIDTH / 2 ||
-        block_size > MAX_BLOCK)
+        a->block_size > MAX_BLOCK)
         return -1;
     AttendFn *const specialised[] = {attend_group, attend_1, attend_2, attend_3, attend_4};
     AttendFn *attend = specialised[group <= 4 ? group : 0];
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
-    for (int b = 0; b < batch; b++) {
+    int64_t window = a->window;
+    int max_blocks = batch->max_blocks;
+    const int64_t *block_tables = batch->block_tables, *context_lens = batch->context_lens;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(batch->threads)
+    for (int b = 0; b < (int)batch->batch; b++) {
         for (int h = 0; h < kv_heads; h++) {
             float rotated[MAX_GROUP * MAX_WIDTH], sums[MAX_GROUP * MAX_WIDTH / 2], dense[MAX_GROUP * MAX_WIDTH / 2];
             int64_t end = context_lens[b];
             int64_t start = window > 0 && end > window ? end - window : 0;
             int64_t row = ((int64_t)b * kv_heads + h) * group * dim;
-            matmul(q + row, to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated);
+            matmul(q + row, a->to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated);
             attend(&st, b, h, rotated, q + row, block_tables + (int64_t)b * max_blocks, start, end, sums, dense);
-            matmul(sums, back + (int64_t)h * v_width * dim, group, v_width, dim, out + row);
+            matmul(sums, a->back + (int64_t)h * v_width * dim, group, v_width, dim, out + row);
             for (int i = 0; i < group * dim; i++) out[row + i] += dense[i];
         }
     }

@@ -46,6 +46,10 @@ typedef struct {
     int32_t max_blocks, threads;
 } Step;
 
+// Read by backends/cpu/abi.py: the weight kinds, and the sizes its mirrors of the structs are checked against.
+const int32_t weight_kind_bf16 = WEIGHT_BF16, weight_kind_int8 = WEIGHT_INT8, weight_kind_int4 = WEIGHT_INT4;
+const int32_t sizeof_Weight = sizeof(Weight), sizeof_Layer = sizeof(Layer), sizeof_Step = sizeof(Step);
+
 static int project(const Weight *w, const uint16_t *x, uint16_t *y, int64_t m, int64_t k, int threads) {
     switch (w->kind) {
         case WEIGHT_BF16: return gemm_bf16(x, w->weight, y, m, w->n, k, threads);

@@ -74,14 +74,33 @@ static uint8_t *encode_group(const Group *g, const float *x, uint8_t *dst) {
     return dst + 2;
 }
 
-// x: [tokens, heads, dim] float32, quantized as (x - mean) / scale where mean and scale ([heads, dim]) are given
-// (keys: TurboQuantLayerCache.scaled_keys); order: NULL or [heads, dim] channel order per head (outlier group first).
-// group_info: [count, 4] (dim, mse bits, qjl, norm correction); constants: per group its rotation (dim x dim),
-// centroids, boundaries, and for QJL its residual-to-sketch matrix (dim x dim), back to back.
-// Row (token t, head h) goes to cache + (slots[t] * heads + h) * nbytes. Returns 0, or -1 for unsupported shapes.
-int turboquant_encode(const float *x, const float *mean, const float *scale, const int64_t *order,
-                      const int32_t *group_info, const float *constants, int count, int64_t tokens, int heads,
-                      int dim, const int64_t *slots, uint8_t *cache, int nbytes, int threads) {
+// One call's rows and the quantizer's tables. Row (token t, head h) of x goes to
+// cache + (slots[t] * heads + h) * nbytes.
+typedef struct {
+    const float *x;             // [tokens, heads, dim] float32
+    const float *mean, *scale;  // NULL, or [heads, dim]: x is quantized as (x - mean) / scale (keys:
+                                // TurboQuantLayerCache.scaled_keys)
+    const int64_t *order;       // NULL, or [heads, dim]: the channel order per head (outlier group first)
+    const int32_t *group_info;  // [count, 4]: dim, mse bits, qjl, norm correction
+    const float *constants;     // per group its rotation (dim x dim), centroids, boundaries, and for QJL its
+                                // residual-to-sketch matrix (dim x dim), back to back
+    const int64_t *slots;       // [tokens]
+    uint8_t *cache;
+    int64_t tokens;
+    int32_t count, heads, dim, nbytes, threads;
+} TurboQuantEncode;
+
+// Read by backends/cpu/abi.py, which checks its mirror of the struct against it.
+const int32_t sizeof_TurboQuantEncode = sizeof(TurboQuantEncode);
+
+// Returns 0, or -1 for unsupported shapes.
+int turboquant_encode(const TurboQuantEncode *e) {
+    const float *x = e->x, *mean = e->mean, *scale = e->scale, *constants = e->constants;
+    const int64_t *order = e->order, *slots = e->slots;
+    const int32_t *group_info = e->group_info;
+    int count = e->count, heads = e->heads, dim = e->dim, nbytes = e->nbytes;
+    int64_t tokens = e->tokens;
+    uint8_t *cache = e->cache;
     Group groups[MAX_GROUPS];
     if (count > MAX_GROUPS || dim > MAX_DIM) return -1;
     for (int i = 0; i < count; i++) {
@@ -99,7 +118,7 @@ int turboquant_encode(const float *x, const float *mean, const float *scale, con
         g->sketch = constants;
         constants += g->qjl ? g->dim * g->dim : 0;
     }
-#pragma omp parallel for schedule(static) num_threads(threads) if (tokens * heads > 16)
+#pragma omp parallel for schedule(static) num_threads(e->threads) if (tokens * heads > 16)
     for (int64_t r = 0; r < tokens * heads; r++) {
         int h = (int)(r % heads);
         float scaled[MAX_DIM], row[MAX_DIM];

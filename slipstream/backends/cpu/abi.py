@@ -1,0 +1,179 @@
+"""The C boundary of the CPU backend: every kernel entry point with its ctypes signature, every
+struct a kernel takes mirrored as a ctypes.Structure, and the limits and enums the C code
+defines, read from the built library. Each is declared here once.
+
+A call site asks for the kernels of the engine's build and passes arguments:
+
+    lib = abi.kernels()  # None: no native kernels (SLIPSTREAM_NATIVE=0, or no compiler)
+    if lib is not None:
+        lib.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, eps, abi.threads())
+
+Pointers pass as ints (`tensor.data_ptr()`) or None; a struct argument as the struct itself.
+This module never knows tensors, layers or caches (the callers fill the structs), nor how a
+library is built (build.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from slipstream.backends.cpu import build
+
+P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+STATUS = ctypes.c_int  # 0, or -1 where the kernel declined (shapes beyond it, no memory): the caller falls back
+
+
+class DecodeBatch(ctypes.Structure):
+    """decode_batch.h: a step's decode queries, one per sequence, shared by both attention kernels."""
+    _fields_ = [("batch", I64), ("block_tables", P), ("context_lens", P), ("max_blocks", I32), ("threads", I32)]
+
+
+class PagedAttention(ctypes.Structure):
+    """paged_attention.c: one layer's bf16 cache and attention shape."""
+    _fields_ = [("k_cache", P), ("v_cache", P), ("num_blocks", I64), ("window", I64), ("block_size", I32),
+                ("q_heads", I32), ("kv_heads", I32), ("head_dim", I32), ("scale", F32)]
+
+
+class CodeRows(ctypes.Structure):
+    """turboquant_attention.c: a TurboQuant K or V cache and its row layout."""
+    _fields_ = [("cache", P), ("pieces", P), ("values", P), ("count", I32), ("bytes", I32), ("width", I32)]
+
+
+class DenseTokens(ctypes.Structure):
+    """turboquant_attention.c: the recent/sink window's 16-bit tokens."""
+    _fields_ = [("staging_of", P), ("staged_k", P), ("staged_v", P), ("own_k", P), ("own_v", P), ("key_mean", P),
+                ("recent", I64), ("sinks", I64), ("bf16", I32)]
+
+
+class TurboQuantAttention(ctypes.Structure):
+    """turboquant_attention.c: one layer's codes, maps in and out of code space, and 16-bit tokens."""
+    _fields_ = [("keys", CodeRows), ("values", CodeRows), ("to_keys", P), ("back", P),
+                ("dense", ctypes.POINTER(DenseTokens)), ("window", I64), ("kv_heads", I32), ("group", I32),
+                ("dim", I32), ("block_size", I32), ("scale", F32)]
+
+
+class TurboQuantEncode(ctypes.Structure):
+    """turboquant_encode.c: one call's rows and the quantizer's tables."""
+    _fields_ = [("x", P), ("mean", P), ("scale", P), ("order", P), ("group_info", P), ("constants", P),
+                ("slots", P), ("cache", P), ("tokens", I64), ("count", I32), ("heads", I32), ("dim", I32),
+                ("nbytes", I32), ("threads", I32)]
+
+
+class Weight(ctypes.Structure):
+    """decoder_layer.c: a linear layer's packed weight, of one of the weight kinds."""
+    _fields_ = [("kind", I32), ("weight", P), ("scale", P), ("low", P), ("n", I64)]
+
+
+class Layer(ctypes.Structure):
+    """decoder_layer.c: one llama-family decoder layer bound to its KV cache."""
+    _fields_ = [("input_norm", P), ("post_attention_norm", P), ("qkv", Weight), ("o", Weight),
+                ("gate_up", Weight), ("down", Weight), ("k_cache", P), ("v_cache", P), ("num_blocks", I64),
+                ("window", I64), ("block_size", I32), ("q_heads", I32), ("kv_heads", I32), ("head_dim", I32),
+                ("hidden", I32), ("intermediate", I32), ("eps", F32), ("scale", F32)]
+
+
+class Step(ctypes.Structure):
+    """decoder_layer.c: what every layer of a decode step shares."""
+    _fields_ = [("tokens", I64), ("positions", P), ("slots", P), ("block_tables", P), ("context_lens", P),
+                ("cos", P), ("sin", P), ("max_blocks", I32), ("threads", I32)]
+
+
+# each mirror and the kernel that exports its C size (`sizeof_<name>`), checked when a build loads
+MIRRORS = {DecodeBatch: "paged_attention", PagedAttention: "paged_attention", CodeRows: "turboquant_attention",
+           DenseTokens: "turboquant_attention", TurboQuantAttention: "turboquant_attention",
+           TurboQuantEncode: "turboquant_encode", Weight: "decoder_layer", Layer: "decoder_layer",
+           Step: "decoder_layer"}
+
+
+class Function:
+    """The declaration of a C function of kernels/<source>.c: argument and result types."""
+
+    def __init__(self, source: str, *argtypes, restype=None):
+        self.source, self.argtypes, self.restype = source, list(argtypes), restype
+
+
+class Constant:
+    """The declaration of a `const int32_t` that kernels/<source>.c exports."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+
+class Kernels:
+    """One ISA build of the kernels. The class body declares the C side (read it as the header);
+    an instance holds each function typed and bound to its library, each constant as an int."""
+
+    # (x, weight, out, rows, dim, eps, threads)
+    rms_norm_bf16 = Function("norm", P, P, P, I64, I32, F32, I32)
+    # (q, k, token stride, tokens, q_heads, k_heads, dim, cos, sin, positions, threads)
+    rotary_bf16 = Function("rotary", P, P, I64, I64, I32, I32, I32, P, P, P, I32)
+    # (k, v, k_cache, v_cache, slots, tokens, token stride, heads, dim, num_slots)
+    cache_write_bf16 = Function("cache_write", P, P, P, P, P, I64, I64, I32, I32, I64)
+    # (layer, batch, q, out)
+    paged_decode_attention = Function("paged_attention", ctypes.POINTER(PagedAttention), ctypes.POINTER(DecodeBatch),
+                                      P, P, restype=STATUS)
+    turboquant_decode_attention = Function("turboquant_attention", ctypes.POINTER(TurboQuantAttention),
+                                           ctypes.POINTER(DecodeBatch), P, P, restype=STATUS)
+    turboquant_encode = Function("turboquant_encode", ctypes.POINTER(TurboQuantEncode), restype=STATUS)
+    # 1 where built with a path for this ISA (AVX-512), else 0 and every call returns -1
+    gemm_bf16_available = Function("gemm", restype=ctypes.c_int)
+    # (x, packed w, y, m, n, k, threads); int8 takes its scale after w, int4 its scale and low
+    gemm_bf16 = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int4 = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    moe_expert_available = Function("moe_expert", restype=ctypes.c_int)
+    # (x, tokens, weights, m, gate_up, down, out, hidden, intermediate, threads)
+    moe_expert_silu = Function("moe_expert", P, P, P, I64, P, P, P, I64, I64, I32, restype=STATUS)
+    # (layers, count, step, x)
+    decoder_layers_decode = Function("decoder_layer", ctypes.POINTER(Layer), I32, ctypes.POINTER(Step), P,
+                                     restype=STATUS)
+
+    paged_attention_max_group = Constant("paged_attention")
+    paged_attention_max_head_dim = Constant("paged_attention")
+    paged_attention_max_block = Constant("paged_attention")
+    turboquant_row_slack = Constant("turboquant_attention")
+    weight_kind_bf16 = Constant("decoder_layer")
+    weight_kind_int8 = Constant("decoder_layer")
+    weight_kind_int4 = Constant("decoder_layer")
+
+    def __init__(self, isa: str, libraries: dict[str, ctypes.CDLL]):
+        self.isa = isa
+        for name, declared in vars(Kernels).items():
+            if isinstance(declared, Function):
+                fn = libraries[declared.source][name]  # a fresh function object: its types are this build's own
+                fn.argtypes, fn.restype = declared.argtypes, declared.restype
+                setattr(self, name, fn)
+            elif isinstance(declared, Constant):
+                setattr(self, name, I32.in_dll(libraries[declared.source], name).value)
+        for mirror, source in MIRRORS.items():
+            size = I32.in_dll(libraries[source], f"sizeof_{mirror.__name__}").value
+            if size != ctypes.sizeof(mirror):
+                raise RuntimeError(f"abi.{mirror.__name__} is {ctypes.sizeof(mirror)} bytes but {size} in "
+                                   f"kernels/{source}.c: update its mirror in backends/cpu/abi.py")
+
+
+def kernels(isa: str | None = None) -> Kernels | None:
+    """The kernels built for `isa` (default: the engine's, SLIPSTREAM_KERNEL_ISA, else native), or
+    None when native kernels are off (SLIPSTREAM_NATIVE=0) or could not be built. Raises ValueError
+    for an ISA that does not exist or that this CPU cannot execute."""
+    if not build.ENABLED:
+        return None
+    return _kernels(isa or build.ISA)
+
+
+@functools.cache
+def _kernels(isa: str) -> Kernels | None:
+    libraries = build.build(isa)
+    return None if libraries is None else Kernels(isa, libraries)
+
+
+def available_isas() -> tuple[str, ...]:
+    """The builds this CPU can execute, the native one first (build.ISAS lists them all)."""
+    return build.available_isas()
+
+
+def threads() -> int:
+    """Threads for a kernel call: torch's, since kernels and torch share one OpenMP pool."""
+    return torch.get_num_threads()
