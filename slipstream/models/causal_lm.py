@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slipstream.config import ModelConfig
 from slipstream.layers.linear import Linear
+from slipstream.models.config import ModelConfig
 
 
 class CausalLM(nn.Module):

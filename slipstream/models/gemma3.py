@@ -26,11 +26,10 @@ from torch import nn
 
 from slipstream.attention import attend
 from slipstream.attention.metadata import get_metadata
-from slipstream.config import ModelConfig
 from slipstream.layers.linear import Linear
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import UnsupportedModelError, common_fields
 from slipstream.models.causal_lm import CausalLM
+from slipstream.models.config import ModelConfig, UnsupportedModelError, common_fields
 from slipstream.models.llama import load_stacked_weights
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)

@@ -29,13 +29,12 @@ from torch import nn
 
 from slipstream.attention import attend
 from slipstream.attention.metadata import get_metadata
-from slipstream.config import ModelConfig
 from slipstream.layers.linear import Linear
 from slipstream.layers.moe import GatedMLP, SparseMoeBlock, activation, reset_routing_stats, rms_norm, routing_stats
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import UnsupportedModelError
 from slipstream.models.causal_lm import CausalLM
+from slipstream.models.config import ModelConfig, UnsupportedModelError
 from slipstream.models.llama import _STACKED, load_stacked_weights
 from slipstream.models.mixtral import rename_weights
 

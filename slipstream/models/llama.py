@@ -15,12 +15,11 @@ from torch import nn
 
 from slipstream.attention import attend
 from slipstream.attention.metadata import get_metadata
-from slipstream.config import ModelConfig
 from slipstream.layers.linear import Linear
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import UnsupportedModelError, common_fields
 from slipstream.models.causal_lm import CausalLM
+from slipstream.models.config import ModelConfig, UnsupportedModelError, common_fields
 from slipstream.models.native_decode import NativeDecoder, decode_step
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)

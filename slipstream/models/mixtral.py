@@ -17,12 +17,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from slipstream.config import ModelConfig
 from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats, stack_expert_weights
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import common_fields
 from slipstream.models.causal_lm import CausalLM
+from slipstream.models.config import ModelConfig, common_fields
 from slipstream.models.llama import _STACKED, LlamaAttention, load_stacked_weights
 
 

@@ -15,7 +15,7 @@ from slipstream.attention import attend
 from slipstream.attention.metadata import get_metadata
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import common_fields
+from slipstream.models.config import common_fields
 from slipstream.models.llama import LlamaAttention
 from slipstream.models.mixtral import MixtralForCausalLM, MoeConfig
 

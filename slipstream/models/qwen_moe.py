@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from slipstream.layers.moe import GatedMLP, SparseMoeBlock
-from slipstream.loader.hf_config import UnsupportedModelError, common_fields
+from slipstream.models.config import UnsupportedModelError, common_fields
 from slipstream.models.mixtral import MixtralForCausalLM, MoeConfig
 
 
