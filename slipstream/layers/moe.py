@@ -38,6 +38,8 @@ from torch import nn
 
 from slipstream import kernels
 from slipstream.layers.linear import Linear, linear
+from slipstream.layers.mlp import GatedMLP, activation
+from slipstream.layers.norm import rms_norm
 from slipstream.platform import cpu_has_amx
 
 # Measured on the development machine (AVX512-BF16, no AMX), one expert whose weights come from memory: fp32
@@ -52,38 +54,6 @@ NATIVE_MIN_TOKENS = 16
 # for its GEMM, where a whole fp32 copy of each expert is written to memory and read back.
 # Measured as fast as or up to 3% faster than whole copies (1 MiB blocks were slower).
 WIDEN_BLOCK = 1 << 19
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
-def activation(name: str):
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation {name!r} is not supported; supported: {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
-
-
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS normalisation without a learned scale, computed in float32, returned in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up fused into one matmul (a dense or shared expert)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
-        super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        self.act = activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
 
 class TopKRouter(nn.Module):
     """Scores -> softmax (float32) -> top-k; returns (weights [T, k] float32, expert ids [T, k])."""

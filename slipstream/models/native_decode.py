@@ -8,14 +8,15 @@ description of the step (positions, slots, block tables) built once from its met
 
 It serves steps where every token decodes (no prefill chunk), below UPCAST_MIN_ROWS tokens,
 in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8
-or int4), no biases, no q/k norms, and a dense bf16 KV cache; anything else returns None
-and takes the torch path, which stays the reference this one is tested against.
+or int4), no biases, no q/k norms, a SiLU MLP and a dense bf16 KV cache; anything else
+returns None and takes the torch path, which stays the reference this one is tested against.
 """
 from __future__ import annotations
 
 import ctypes
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from slipstream import kernels
@@ -73,7 +74,8 @@ def _layer(layer: nn.Module) -> _Layer | None:
     projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
     weights = [packed_weight(m) for m in projections]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if (None in weights or attn.qk_norm or not _dense_bf16(cache) or any(w.dtype != torch.bfloat16 for w in norms)
+    if (None in weights or attn.qk_norm or getattr(mlp, "act", None) is not F.silu or not _dense_bf16(cache)
+            or any(w.dtype != torch.bfloat16 for w in norms)
             or attn.rotary.cos.dtype != torch.float32 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
         return None
     heads, num_blocks, block_size, head_dim = cache.k.shape

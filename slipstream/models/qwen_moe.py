@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from slipstream.layers.moe import GatedMLP, SparseMoeBlock
+from slipstream.layers.mlp import GatedMLP
+from slipstream.layers.moe import SparseMoeBlock
 from slipstream.models.config import UnsupportedModelError, common_fields
 from slipstream.models.mixtral import MixtralForCausalLM, MoeConfig
 
