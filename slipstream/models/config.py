@@ -32,7 +32,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False      # bias on q/k/v projections
     attention_out_bias: bool = False  # bias on the output projection
-    qk_norm: bool = False
+    qk_norm: str | None = None        # "head": q/k RMSNorm per head; "projection": over all heads (OLMoE)
+    clip_qkv: float | None = None     # clamp q, k and v to [-clip_qkv, clip_qkv] (OLMoE)
     sliding_window: int | None = None
     hidden_act: str = "silu"
     bos_token_id: int | None = None

@@ -24,15 +24,12 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from slipstream.attention import attend
-from slipstream.attention.metadata import get_metadata
-from slipstream.layers.linear import Linear
 from slipstream.layers.mlp import GatedMLP
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.models.causal_lm import CausalLM
 from slipstream.models.config import ModelConfig, UnsupportedModelError, common_fields
-from slipstream.models.llama import load_stacked_weights
+from slipstream.models.llama import LlamaAttention, load_stacked_weights
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
@@ -72,39 +69,13 @@ def _layer_types(cfg: dict) -> list[str]:
     return list(types)
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: Gemma3Config, layer_type: str, rotary: RotaryEmbedding):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
-        self.rotary = rotary
-        self.scale = config.query_pre_attn_scalar ** -0.5
-        self.sliding_window = config.sliding_window if layer_type == SLIDING else None
-        self.kv_cache = None  # bound by the model runner once the cache is allocated
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = attend(q, k, v, self.kv_cache, get_metadata(), self.scale, self.sliding_window)
-        return self.o_proj(out.flatten(1))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: Gemma3Config, layer_type: str, rotary: RotaryEmbedding):
         super().__init__()
         norm = partial(RMSNorm, eps=config.rms_norm_eps, unit_offset=True)
         self.input_layernorm = norm(config.hidden_size)
-        self.self_attn = Gemma3Attention(config, layer_type, rotary)
+        window = config.sliding_window if layer_type == SLIDING else None
+        self.self_attn = LlamaAttention(config, rotary, window, config.query_pre_attn_scalar ** -0.5, unit_offset=True)
         self.post_attention_layernorm = norm(config.hidden_size)
         self.pre_feedforward_layernorm = norm(config.hidden_size)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
@@ -158,7 +129,7 @@ class Gemma3ForCausalLM(CausalLM):
             **fields,
             attention_bias=cfg.get("attention_bias", False),
             attention_out_bias=cfg.get("attention_bias", False),
-            qk_norm=True,
+            qk_norm="head",
             sliding_window=cfg.get("sliding_window", 4096),
             layer_types=_layer_types(cfg),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),

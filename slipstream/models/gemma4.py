@@ -28,8 +28,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from slipstream.attention import attend
-from slipstream.attention.metadata import get_metadata
+from slipstream.layers.attention import Attention
 from slipstream.layers.linear import Linear
 from slipstream.layers.mlp import GatedMLP, activation
 from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats
@@ -98,24 +97,24 @@ class Gemma4Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, cast_last=True)
         self.eps = config.rms_norm_eps
         self.rotary = rotary
-        self.sliding_window = config.sliding_window if self.layer_type == SLIDING else None
-        self.kv_cache = None  # bound by the model runner (KV-sharing layers have none)
+        window = config.sliding_window if self.layer_type == SLIDING else None
+        # KV-sharing layers own no cache: they attend through their source layer's Attention
+        self.attn = None if self.shares_kv else Attention(self.num_heads, self.num_kv_heads, self.head_dim, 1.0, window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, shared_kv: dict) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q = self.q_norm(qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim))
         if self.shares_kv:
-            k, v, cache = shared_kv[self.layer_type]  # attend rewrites the same slots: harmless
+            k, v, attn = shared_kv[self.layer_type]  # it rewrites the same slots with the same K/V: harmless
             q, _ = self.rotary(positions, q, q[:, :0])  # keys come rotated from the source layer
         else:
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
             v = k if self.k_eq_v else qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
             v = rms_norm(v, self.eps)
             q, k = self.rotary(positions, q, self.k_norm(k))
-            cache = self.kv_cache
-            shared_kv[self.layer_type] = (k, v, cache)  # the latest of its type: what KV-sharing layers read
-        out = attend(q, k, v, cache, get_metadata(), 1.0, self.sliding_window)
-        return self.o_proj(out.flatten(1))
+            attn = self.attn
+            shared_kv[self.layer_type] = (k, v, attn)  # the latest of its type: what KV-sharing layers read
+        return self.o_proj(attn(q, k, v).flatten(1))
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -250,10 +249,6 @@ class Gemma4ForCausalLM(CausalLM):
         logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def attention_layers(self) -> list[Gemma4Attention]:
-        """Layers that own a KV cache; KV-sharing layers read their source layer's cache."""
-        return [layer.self_attn for layer in self.model.layers if not layer.self_attn.shares_kv]
 
     def routing_stats(self) -> dict[int, list[int]]:
         return routing_stats(self.model.layers)

@@ -2,8 +2,8 @@
 
 Attention, norms and rotary embedding are llama's; each layer's MLP is a `SparseMoeBlock`
 (8 experts, top-2, the two weights renormalised to sum to 1). Qwen2-MoE, Qwen3-MoE and
-OLMoE are built on this class and change only the attention and the MLP of each layer
-(`attention()` and `mlp()`), and the config they read.
+OLMoE are built on this class and change only the config they read (which sets their
+attention's options) and the MLP of each layer (`mlp()`).
 
 Checkpoints store experts either one tensor per expert (`block_sparse_moe.experts.3.w1.weight`,
 as transformers' `save_pretrained` writes them) or stacked (`mlp.experts.gate_up_proj`);
@@ -22,7 +22,7 @@ from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.models.causal_lm import CausalLM
 from slipstream.models.config import ModelConfig, common_fields
-from slipstream.models.llama import _STACKED, LlamaAttention, load_stacked_weights
+from slipstream.models.llama import _STACKED, DecoderLayer, LlamaAttention, load_stacked_weights
 
 
 @dataclass
@@ -33,19 +33,6 @@ class MoeConfig(ModelConfig):
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 0     # width of one expert
     norm_topk_prob: bool = True        # renormalise the k routing weights to sum to 1
-
-
-class MoeDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: nn.Module, mlp: nn.Module):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = mlp
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class MoeModel(nn.Module):
@@ -75,12 +62,9 @@ class MixtralForCausalLM(CausalLM):
 
     def __init__(self, config: MoeConfig):
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-        layers = [MoeDecoderLayer(config, self.attention(config, rotary, i), self.mlp(config, i))
+        layers = [DecoderLayer(config, LlamaAttention(config, rotary, config.sliding_window), self.mlp(config, i))
                   for i in range(config.num_hidden_layers)]
         super().__init__(config, MoeModel(config, layers))
-
-    def attention(self, config: MoeConfig, rotary: RotaryEmbedding, layer: int) -> nn.Module:
-        return LlamaAttention(config, rotary)
 
     def mlp(self, config: MoeConfig, layer: int) -> nn.Module:
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,

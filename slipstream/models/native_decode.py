@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream import kernels
-from slipstream.attention.metadata import AttentionMetadata
+from slipstream.attention.metadata import get_metadata
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear
 from slipstream.layers.quantization import Int4Linear, Int8Linear
@@ -70,7 +70,7 @@ def _layer(layer: nn.Module) -> _Layer | None:
     """The C description of a llama decoder layer (input_layernorm, self_attn,
     post_attention_layernorm, gated mlp) bound to its KV cache, or None if it does not fit."""
     attn, mlp = layer.self_attn, layer.mlp
-    cache = attn.kv_cache
+    cache = attn.attn.kv_cache
     projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
     weights = [packed_weight(m) for m in projections]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -79,11 +79,11 @@ def _layer(layer: nn.Module) -> _Layer | None:
             or attn.rotary.cos.dtype != torch.float32 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
         return None
     heads, num_blocks, block_size, head_dim = cache.k.shape
-    if attn.num_heads // heads > MAX_GROUP or head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK:
+    if attn.attn.num_heads // heads > MAX_GROUP or head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK:
         return None
     return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, cache.k.data_ptr(), cache.v.data_ptr(),
-                  num_blocks, attn.sliding_window or 0, block_size, attn.num_heads, heads, head_dim,
-                  norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.scale)
+                  num_blocks, attn.attn.sliding_window or 0, block_size, attn.attn.num_heads, heads, head_dim,
+                  norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.attn.scale)
 
 
 class NativeDecoder:
@@ -98,7 +98,7 @@ class NativeDecoder:
         rebound; None when the kernel is unavailable or any layer does not fit."""
         if _kernel() is None:
             return None
-        caches = tuple(layer.self_attn.kv_cache for layer in layers)
+        caches = tuple(layer.self_attn.attn.kv_cache for layer in layers)
         built = getattr(layers, "_native_decode", None)
         if built is None or any(a is not b for a, b in zip(built[0], caches)):
             structs = [_layer(layer) for layer in layers]
@@ -115,11 +115,10 @@ def _dense_bf16(cache) -> bool:
     return isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and cache.k.device.type == "cpu"
 
 
-def decode_step(meta: AttentionMetadata, positions: torch.Tensor, x: torch.Tensor,
-                rotary: nn.Module) -> _Step | None:
+def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module) -> _Step | None:
     """The step's shared C description when every row of x is a decode token, else None;
     built once per step and kept in the metadata's step cache."""
-    tokens = x.shape[0]
+    meta, tokens = get_metadata(), x.shape[0]
     if (meta.prefills or meta.num_decode_tokens != tokens or tokens >= UPCAST_MIN_ROWS or x.dtype != torch.bfloat16
             or x.device.type != "cpu" or not x.is_contiguous() or torch.is_grad_enabled()):
         return None

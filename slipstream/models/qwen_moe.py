@@ -43,7 +43,7 @@ class QwenMoeForCausalLM(MixtralForCausalLM):
             **common_fields(arch, cfg),
             attention_bias=bias,
             attention_out_bias=False if qwen2 else bias,
-            qk_norm=not qwen2,
+            qk_norm=None if qwen2 else "head",
             num_experts=num_experts,
             num_experts_per_tok=cfg["num_experts_per_tok"],
             moe_intermediate_size=cfg["moe_intermediate_size"],
