@@ -6,12 +6,15 @@ the model runner calls.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 
 from slipstream.layers.attention import Attention
 from slipstream.layers.linear import Linear
 from slipstream.models.config import ModelConfig
+from slipstream.models.weights import load_stacked_weights
 
 
 class CausalLM(nn.Module):
@@ -28,6 +31,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_stacked_weights(self, weights)
 
     def attention_layers(self) -> list[Attention]:
         """The attention layers that own a KV cache, in layer order (Gemma 4's KV-sharing

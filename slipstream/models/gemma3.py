@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -29,13 +28,8 @@ from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.models.causal_lm import CausalLM
 from slipstream.models.config import ModelConfig, UnsupportedModelError, common_fields
-from slipstream.models.llama import LlamaAttention, load_stacked_weights
+from slipstream.models.llama import LlamaAttention
 
-# checkpoint name fragment -> (fused parameter fragment, shard index)
-_STACKED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -146,6 +140,3 @@ class Gemma3ForCausalLM(CausalLM):
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         return logits.float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_stacked_weights(self, weights, _STACKED)

@@ -36,8 +36,7 @@ from slipstream.layers.norm import RMSNorm, rms_norm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.models.causal_lm import CausalLM
 from slipstream.models.config import ModelConfig, UnsupportedModelError
-from slipstream.models.llama import _STACKED, load_stacked_weights
-from slipstream.models.mixtral import rename_weights
+from slipstream.models.weights import load_stacked_weights, rename_weights
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _DEFAULT_ROPE = {
@@ -257,7 +256,7 @@ class Gemma4ForCausalLM(CausalLM):
         reset_routing_stats(self.model.layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_stacked_weights(self, rename_weights(_text_weights(weights, self.config), _RENAMES), _STACKED)
+        load_stacked_weights(self, rename_weights(_text_weights(weights, self.config), _RENAMES))
 
 
 def _text_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Gemma4Config):

@@ -2,15 +2,13 @@
 
 Reads like the paper: embedding, N x (norm -> attention -> residual, norm -> gated MLP ->
 residual), final norm, LM head. MHA, GQA and MQA differ only in `num_key_value_heads`.
-Q/K/V and gate/up projections are fused into one matmul each; `load_weights` stacks the
-checkpoint's separate tensors into them.
+Q/K/V and gate/up projections are fused into one matmul each (models/weights.py stacks the
+checkpoint's separate tensors into them).
 
 `LlamaAttention` and `DecoderLayer` serve the relatives too: Mixtral and the MoE families
 swap the MLP, Gemma 3 (sandwich norms, its own layer) passes its scale, windows and norm form.
 """
 from __future__ import annotations
-
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -23,12 +21,6 @@ from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.models.causal_lm import CausalLM
 from slipstream.models.config import ModelConfig, UnsupportedModelError, common_fields
 from slipstream.models.native_decode import NativeDecoder, decode_step
-
-# checkpoint name fragment -> (fused parameter fragment, shard index)
-_STACKED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
 
 
 class LlamaAttention(nn.Module):
@@ -49,9 +41,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
-            per_head = self.qk_norm == "head"
-            self.q_norm = RMSNorm(self.head_dim if per_head else self.q_size, config.rms_norm_eps, unit_offset=unit_offset)
-            self.k_norm = RMSNorm(self.head_dim if per_head else self.kv_size, config.rms_norm_eps, unit_offset=unit_offset)
+            q_dim, k_dim = (self.head_dim, self.head_dim) if self.qk_norm == "head" else (self.q_size, self.kv_size)
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, unit_offset=unit_offset)
+            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, unit_offset=unit_offset)
         self.clip_qkv = config.clip_qkv
         self.rotary = rotary
         self.attn = Attention(heads, kv_heads, self.head_dim, self.head_dim ** -0.5 if scale is None else scale,
@@ -125,37 +117,3 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig):
         super().__init__(config, LlamaModel(config))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_stacked_weights(self, weights, _STACKED)
-
-
-def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                         stacked: dict[str, tuple[str, int]]) -> None:
-    """Copy checkpoint tensors into parameters, stacking split projections into fused ones.
-
-    Every parameter must be written exactly once (a tied LM head counts as written by the
-    embedding); a missing or unexpected tensor is an error naming it.
-    """
-    params = dict(model.named_parameters())
-    pending = {name: {} for name in params}
-    for name, tensor in weights:
-        target, shard = name, None
-        for fragment, (fused, index) in stacked.items():
-            if f".{fragment}." in name:
-                target, shard = name.replace(f".{fragment}.", f".{fused}."), index
-                break
-        if target not in params:
-            if getattr(model.config, "tie_word_embeddings", False) and target == "lm_head.weight":
-                continue
-            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        pending[target][shard] = tensor
-    for name, param in params.items():
-        shards = pending[name]
-        if not shards:
-            raise ValueError(f"checkpoint lacks tensor for parameter {name!r}")
-        tensor = shards[None] if None in shards else torch.cat([shards[i] for i in sorted(shards)])
-        if tensor.shape != param.shape:
-            raise ValueError(f"tensor for {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor)

@@ -17,12 +17,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats, stack_expert_weights
+from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.models.causal_lm import CausalLM
 from slipstream.models.config import ModelConfig, common_fields
-from slipstream.models.llama import _STACKED, DecoderLayer, LlamaAttention, load_stacked_weights
+from slipstream.models.llama import DecoderLayer, LlamaAttention
+from slipstream.models.weights import load_stacked_weights, rename_weights, stack_expert_weights
 
 
 @dataclass
@@ -79,14 +80,4 @@ class MixtralForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = stack_expert_weights(rename_weights(weights, self.RENAMES), self.config.num_experts)
-        load_stacked_weights(self, weights, _STACKED)
-
-
-def rename_weights(weights: Iterable[tuple[str, torch.Tensor]], renames: dict[str, str]):
-    """Replace the first matching fragment of each name (checkpoint layout -> ours)."""
-    for name, tensor in weights:
-        for old, new in renames.items():
-            if old in name:
-                name = name.replace(old, new, 1)
-                break
-        yield name, tensor
+        load_stacked_weights(self, weights)

@@ -75,8 +75,8 @@ def _layer(layer: nn.Module) -> _Layer | None:
     weights = [packed_weight(m) for m in projections]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if (None in weights or attn.qk_norm or getattr(mlp, "act", None) is not F.silu or not _dense_bf16(cache)
-            or any(w.dtype != torch.bfloat16 for w in norms)
-            or attn.rotary.cos.dtype != torch.float32 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
+            or any(w.dtype != torch.bfloat16 for w in norms) or attn.rotary.cos.dtype != torch.float32
+            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
         return None
     heads, num_blocks, block_size, head_dim = cache.k.shape
     if attn.attn.num_heads // heads > MAX_GROUP or head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK:

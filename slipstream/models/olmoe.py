@@ -19,4 +19,5 @@ class OlmoeForCausalLM(MixtralForCausalLM):
         return MoeConfig(**common_fields(arch, cfg), attention_bias=bias, attention_out_bias=bias,
                          qk_norm="projection", clip_qkv=cfg.get("clip_qkv"),
                          num_experts=cfg["num_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
-                         moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", False))
+                         moe_intermediate_size=cfg["intermediate_size"],
+                         norm_topk_prob=cfg.get("norm_topk_prob", False))

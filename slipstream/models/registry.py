@@ -34,7 +34,8 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     """The family's config for an HF-style config dict whose `eos_token_id` is a list."""
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+        raise UnsupportedModelError(f"architecture {arch!r} is not supported; "
+                                    f"supported: {', '.join(sorted(ARCHITECTURES))}")
     config = ARCHITECTURES[arch].config_from_hf(arch, cfg)
     config.eos_token_ids = list(cfg.get("eos_token_id") or [])
     return config
