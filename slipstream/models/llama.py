@@ -6,7 +6,8 @@ Q/K/V and gate/up projections are fused into one matmul each (models/weights.py 
 checkpoint's separate tensors into them).
 
 `LlamaAttention` and `DecoderLayer` serve the relatives too: Mixtral and the MoE families
-swap the MLP, Gemma 3 (sandwich norms, its own layer) passes its scale, windows and norm form.
+are this model with another `mlp()`, Gemma 3 (sandwich norms, its own layer) passes its
+attention scale, windows and norm form.
 """
 from __future__ import annotations
 
@@ -78,15 +79,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]):
         super().__init__()
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                 config.rope_theta, config.rope_scaling)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, LlamaAttention(config, rotary, config.sliding_window),
-                         GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
-            for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -116,4 +112,11 @@ class LlamaForCausalLM(CausalLM):
         )
 
     def __init__(self, config: ModelConfig):
-        super().__init__(config, LlamaModel(config))
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                 config.rope_theta, config.rope_scaling)
+        layers = [DecoderLayer(config, LlamaAttention(config, rotary, config.sliding_window), self.mlp(config, i))
+                  for i in range(config.num_hidden_layers)]
+        super().__init__(config, LlamaModel(config, layers))
+
+    def mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)

@@ -1,9 +1,9 @@
 """Mixtral: the llama decoder with its MLP replaced by a sparse mixture of experts.
 
-Attention, norms and rotary embedding are llama's; each layer's MLP is a `SparseMoeBlock`
-(8 experts, top-2, the two weights renormalised to sum to 1). Qwen2-MoE, Qwen3-MoE and
-OLMoE are built on this class and change only the config they read (which sets their
-attention's options) and the MLP of each layer (`mlp()`).
+Attention, norms and rotary embedding are llama's; each layer's MLP (`mlp()`) is a
+`SparseMoeBlock` (8 experts, top-2, the two weights renormalised to sum to 1). Qwen2-MoE,
+Qwen3-MoE and OLMoE are built on this class and change only the config they read (which
+sets their attention's options) and the MLP of each layer.
 
 Checkpoints store experts either one tensor per expert (`block_sparse_moe.experts.3.w1.weight`,
 as transformers' `save_pretrained` writes them) or stacked (`mlp.experts.gate_up_proj`);
@@ -18,11 +18,8 @@ import torch
 from torch import nn
 
 from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats
-from slipstream.layers.norm import RMSNorm
-from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.models.causal_lm import CausalLM
 from slipstream.models.config import ModelConfig, common_fields
-from slipstream.models.llama import DecoderLayer, LlamaAttention
+from slipstream.models.llama import LlamaForCausalLM
 from slipstream.models.weights import load_stacked_weights, rename_weights, stack_expert_weights
 
 
@@ -36,21 +33,7 @@ class MoeConfig(ModelConfig):
     norm_topk_prob: bool = True        # renormalise the k routing weights to sum to 1
 
 
-class MoeModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: list[nn.Module]):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
-
-
-class MixtralForCausalLM(CausalLM):
+class MixtralForCausalLM(LlamaForCausalLM):
     # checkpoint name fragment -> our module path, applied before loading
     RENAMES = {".block_sparse_moe.": ".mlp."}
 
@@ -60,12 +43,6 @@ class MixtralForCausalLM(CausalLM):
                          sliding_window=cfg.get("sliding_window"),
                          num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                          moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
-
-    def __init__(self, config: MoeConfig):
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-        layers = [DecoderLayer(config, LlamaAttention(config, rotary, config.sliding_window), self.mlp(config, i))
-                  for i in range(config.num_hidden_layers)]
-        super().__init__(config, MoeModel(config, layers))
 
     def mlp(self, config: MoeConfig, layer: int) -> nn.Module:
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
