@@ -1,43 +1,17 @@
-"""Engine configuration: one dataclass per concern, validated once at start-up.
+"""Engine configuration: what a user chooses, validated once at start-up.
 
-`ModelConfig` describes the architecture (filled by the loader); `EngineConfig` holds
-what a user chooses (dtype, cache size, batching limits). Keyword arguments of `LLM(...)`
-are matched against `EngineConfig`'s fields, so a typo is an error, not a silent no-op.
+`EngineConfig` holds dtype, cache size and batching limits (the architecture is the
+model's own `models/config.py`). Keyword arguments of `LLM(...)` are matched against its
+fields, so a typo is an error, not a silent no-op.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
-
-
-@dataclass
-class ModelConfig:
-    """Architecture of a llama-family decoder, in transformers' vocabulary."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False      # bias on q/k/v projections
-    attention_out_bias: bool = False  # bias on the output projection
-    qk_norm: bool = False
-    sliding_window: int | None = None
-    hidden_act: str = "silu"
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

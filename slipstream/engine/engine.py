@@ -27,7 +27,7 @@ from slipstream.kvcache.calibration import MAX_TOKENS as CALIBRATION_TOKENS, cal
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.layers.logits_processors import default_processors
 from slipstream.layers.sampler import Sampler
-from slipstream.loader.model_loader import load_model
+from slipstream.engine.model_loader import load_model
 from slipstream.outputs import RequestMetrics, RequestOutput
 from slipstream.platform import resolve_device, resolve_dtype
 from slipstream.sampling_params import SamplingParams

@@ -1,1 +1,1 @@
-"""Building blocks shared by model files: norms, rotary embedding, sampler."""
+"""Building blocks shared by model files: attention, norms, MLPs, experts, rotary embedding, linear layers, sampler."""

@@ -24,11 +24,10 @@ Smaller groups run in bf16 either way. Options of the same block cover the famil
 
 The block counts how many tokens each expert received (`expert_counts`, accumulated until
 reset); `load_balance_summary` prints those counts. This module never knows checkpoint
-names beyond the stacked layout (`stack_expert_weights` builds it from per-expert tensors).
+names (models/weights.py stacks per-expert tensors into this layout).
 """
 from __future__ import annotations
 
-import re
 from typing import Iterable, Iterator
 
 import torch
@@ -37,6 +36,8 @@ from torch import nn
 
 from slipstream.backends.cpu import abi
 from slipstream.layers.linear import Linear, linear
+from slipstream.layers.mlp import GatedMLP, activation
+from slipstream.layers.norm import rms_norm
 from slipstream.platform import cpu_has_amx
 
 # Measured on the development machine (AVX512-BF16, no AMX), one expert whose weights come from memory: fp32
@@ -51,38 +52,6 @@ NATIVE_MIN_TOKENS = 16
 # for its GEMM, where a whole fp32 copy of each expert is written to memory and read back.
 # Measured as fast as or up to 3% faster than whole copies (1 MiB blocks were slower).
 WIDEN_BLOCK = 1 << 19
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
-def activation(name: str):
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation {name!r} is not supported; supported: {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
-
-
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS normalisation without a learned scale, computed in float32, returned in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up fused into one matmul (a dense or shared expert)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
-        super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        self.act = activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
 
 class TopKRouter(nn.Module):
     """Scores -> softmax (float32) -> top-k; returns (weights [T, k] float32, expert ids [T, k])."""
@@ -276,48 +245,3 @@ def load_balance_summary(expert_load: dict[int, list[int]]) -> str:
         lines.append(f"{layer:5d}  {total:5d}  {max(counts) / mean:8.2f}  {min(counts) / mean:8.2f}  "
                      f"{busiest:7d}  {counts.count(0)}")
     return "\n".join(lines)
-
-
-# --- checkpoint layout ----------------------------------------------------------------------
-# per-expert tensor name -> (stacked parameter, shard in gate_up or None for down)
-_EXPERT_PROJ = {
-    "w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0),
-    "w3": ("gate_up_proj", 1), "up_proj": ("gate_up_proj", 1),
-    "w2": ("down_proj", None), "down_proj": ("down_proj", None),
-}
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-
-
-def stack_expert_weights(weights: Iterable[tuple[str, torch.Tensor]],
-                         num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Turn per-expert tensors (`...experts.3.w1.weight`, `...experts.3.gate_proj.weight`) into
-    stacked ones (`...experts.gate_up_proj` [E, 2I, H], `...experts.down_proj` [E, H, I]).
-
-    Other tensors, including already stacked experts, pass through unchanged. A stacked
-    tensor is emitted as soon as all its experts have been read; an incomplete set is an error.
-    """
-    pending: dict[str, dict[int, dict]] = {}
-    for name, tensor in weights:
-        match = _PER_EXPERT.match(name)
-        if match is None:
-            yield name, tensor
-            continue
-        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-        if expert >= num_experts:
-            raise ValueError(f"checkpoint tensor {name!r} names expert {expert}, but the model has {num_experts}")
-        target, shard = _EXPERT_PROJ[proj]
-        key = f"{prefix}.{target}"
-        parts = pending.setdefault(key, {})
-        parts.setdefault(expert, {})[shard] = tensor
-        shards = 2 if shard is not None else 1
-        if len(parts) == num_experts and all(len(p) == shards for p in parts.values()):
-            yield key, torch.stack([_expert_tensor(parts[e]) for e in range(num_experts)])
-            del pending[key]
-    if pending:
-        key, parts = next(iter(pending.items()))
-        raise ValueError(f"checkpoint has an incomplete set of expert tensors for {key!r}: "
-                         f"experts {sorted(parts)} of {num_experts}")
-
-
-def _expert_tensor(parts: dict) -> torch.Tensor:
-    return parts[None] if None in parts else torch.cat([parts[0], parts[1]])

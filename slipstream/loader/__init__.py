@@ -1,1 +1,1 @@
-"""Turning a model name into a ready model: bundled aliases, GGUF files, HF checkpoints."""
+"""Reading models from disk: bundled aliases, GGUF files, HF checkpoints, tokenizers (never model code)."""

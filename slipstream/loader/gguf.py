@@ -1,4 +1,4 @@
-"""Reading a GGUF file: its metadata into a ModelConfig, its tensors into HF-named float tensors.
+"""Reading a GGUF file: its metadata into an HF-style config dict, its tensors into HF-named float tensors.
 
 Each supported `general.architecture` has one entry in `GGUF_ARCHITECTURES`: which HF
 architecture it is, how its metadata keys and tensor names map to transformers' names,
@@ -18,9 +18,6 @@ from typing import Iterator
 
 import numpy as np
 import torch
-
-from slipstream.config import ModelConfig
-from slipstream.loader.hf_config import UnsupportedModelError
 
 # GGUF key (after "<arch>.") -> HF config key; keys a file lacks are left out
 _CONFIG_KEYS = {
@@ -85,43 +82,37 @@ class GGUFFile:
     @property
     def spec(self) -> GGUFArchitecture:
         if self.arch not in GGUF_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"GGUF architecture {self.arch!r} in {self.path} is not supported; "
-                f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+            raise ValueError(f"GGUF architecture {self.arch!r} in {self.path} is not supported; "
+                             f"supported: {', '.join(GGUF_ARCHITECTURES)}")
         return GGUF_ARCHITECTURES[self.arch]
 
     def hf_config(self) -> dict:
-        """The metadata as an HF config.json dict."""
+        """The metadata as an HF config.json dict (`eos_token_id` a list, as `read_hf_config` gives it)."""
         spec = self.spec
         cfg = dict(spec.defaults)
         for key, hf_key in spec.config_keys.items():
             value = self.field(f"{self.arch}.{key}")
             if value is not None:
                 cfg[hf_key] = value
+        eos = self.field("tokenizer.ggml.eos_token_id")
         cfg.update(architectures=[spec.hf_architecture],
                    vocab_size=self.tensors["token_embd.weight"].shape[1].item(),
                    tie_word_embeddings="output.weight" not in self.tensors,
-                   bos_token_id=self.field("tokenizer.ggml.bos_token_id"))
+                   bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+                   eos_token_id=[] if eos is None else [eos])
         return cfg
 
-    def model_config(self) -> ModelConfig:
-        from slipstream.models.registry import ARCHITECTURES
-
-        arch = self.spec.hf_architecture
-        config = ARCHITECTURES[arch].config_from_hf(arch, self.hf_config())
-        eos = self.field("tokenizer.ggml.eos_token_id")
-        config.eos_token_ids = [] if eos is None else [eos]
-        return config
-
-    def hf_weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         spec = self.spec
+        heads = self.field(f"{self.arch}.attention.head_count")
+        kv_heads = self.field(f"{self.arch}.attention.head_count_kv") or heads
         for name, tensor in self.tensors.items():
             hf_name = hf_tensor_name(name, spec.layer_names)
             w = torch.from_numpy(dequantize(tensor))
             if spec.unpermute_qk and hf_name.endswith("self_attn.q_proj.weight"):
-                w = unpermute_rope_rows(w, config.num_attention_heads)
+                w = unpermute_rope_rows(w, heads)
             elif spec.unpermute_qk and hf_name.endswith("self_attn.k_proj.weight"):
-                w = unpermute_rope_rows(w, config.num_key_value_heads)
+                w = unpermute_rope_rows(w, kv_heads)
             elif spec.norm_offset and hf_name.endswith("norm.weight"):
                 w = w - spec.norm_offset
             yield hf_name, w
@@ -141,7 +132,7 @@ def hf_tensor_name(name: str, layer_names: dict[str, str]) -> str:
     m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
     if m and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
-    raise UnsupportedModelError(f"GGUF tensor {name!r} is not recognised")
+    raise ValueError(f"GGUF tensor {name!r} is not recognised")
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

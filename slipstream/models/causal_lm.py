@@ -1,16 +1,20 @@
 """CausalLM: what every decoder-only family shares on top of its body.
 
-A family builds `model` (embeddings, decoder layers whose attention is `self_attn`, final
-norm) and passes it here; this class adds the LM head (tied to the embeddings when the
-config says so) and the interface the model runner calls.
+A family builds `model` (embeddings, decoder layers, final norm) and passes it here; this
+class adds the LM head (tied to the embeddings when the config says so) and the interface
+the model runner calls.
 """
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 from torch import nn
 
-from slipstream.config import ModelConfig
+from slipstream.layers.attention import Attention
 from slipstream.layers.linear import Linear
+from slipstream.models.config import ModelConfig
+from slipstream.models.weights import load_stacked_weights
 
 
 class CausalLM(nn.Module):
@@ -28,6 +32,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def attention_layers(self) -> list[nn.Module]:
-        """The attention modules that own a KV cache, in layer order."""
-        return [layer.self_attn for layer in self.model.layers]
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_stacked_weights(self, weights)
+
+    def attention_layers(self) -> list[Attention]:
+        """The attention layers that own a KV cache, in layer order (Gemma 4's KV-sharing
+        layers own none: they attend through an earlier layer's)."""
+        return [m for m in self.modules() if isinstance(m, Attention)]

@@ -18,26 +18,18 @@ Text-only: `Gemma3ForCausalLM` checkpoints and `gemma3` GGUF files. The multimod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from slipstream.attention import attend
-from slipstream.attention.metadata import get_metadata
-from slipstream.config import ModelConfig
-from slipstream.layers.linear import Linear
+from slipstream.layers.mlp import GatedMLP
+from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import UnsupportedModelError, common_fields
 from slipstream.models.causal_lm import CausalLM
-from slipstream.models.llama import load_stacked_weights
+from slipstream.models.config import ModelConfig, UnsupportedModelError, common_fields
+from slipstream.models.llama import LlamaAttention
 
-# checkpoint name fragment -> (fused parameter fragment, shard index)
-_STACKED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -71,68 +63,17 @@ def _layer_types(cfg: dict) -> list[str]:
     return list(types)
 
 
-class GemmaRMSNorm(nn.Module):
-    """RMSNorm that scales by (1 + weight) in float32 and casts last (llama casts, then scales)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
-
-
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: Gemma3Config, layer_type: str, rotary: RotaryEmbedding):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = rotary
-        self.scale = config.query_pre_attn_scalar ** -0.5
-        self.sliding_window = config.sliding_window if layer_type == SLIDING else None
-        self.kv_cache = None  # bound by the model runner once the cache is allocated
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = attend(q, k, v, self.kv_cache, get_metadata(), self.scale, self.sliding_window)
-        return self.o_proj(out.flatten(1))
-
-
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: Gemma3Config):
-        super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: Gemma3Config, layer_type: str, rotary: RotaryEmbedding):
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.self_attn = Gemma3Attention(config, layer_type, rotary)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.mlp = Gemma3MLP(config)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        norm = partial(RMSNorm, eps=config.rms_norm_eps, unit_offset=True)
+        self.input_layernorm = norm(config.hidden_size)
+        window = config.sliding_window if layer_type == SLIDING else None
+        self.self_attn = LlamaAttention(config, rotary, window, config.query_pre_attn_scalar ** -0.5, unit_offset=True)
+        self.post_attention_layernorm = norm(config.hidden_size)
+        self.pre_feedforward_layernorm = norm(config.hidden_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.post_feedforward_layernorm = norm(config.hidden_size)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
@@ -150,7 +91,7 @@ class Gemma3Model(nn.Module):
         self.embed_scale = config.hidden_size ** 0.5
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, t, rotary[t]) for t in config.layer_types)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -182,7 +123,7 @@ class Gemma3ForCausalLM(CausalLM):
             **fields,
             attention_bias=cfg.get("attention_bias", False),
             attention_out_bias=cfg.get("attention_bias", False),
-            qk_norm=True,
+            qk_norm="head",
             sliding_window=cfg.get("sliding_window", 4096),
             layer_types=_layer_types(cfg),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
@@ -199,6 +140,3 @@ class Gemma3ForCausalLM(CausalLM):
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         return logits.float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_stacked_weights(self, weights, _STACKED)

@@ -22,22 +22,21 @@ model is built; vision and audio towers are skipped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from slipstream.attention import attend
-from slipstream.attention.metadata import get_metadata
-from slipstream.config import ModelConfig
+from slipstream.layers.attention import Attention
 from slipstream.layers.linear import Linear
-from slipstream.layers.moe import GatedMLP, SparseMoeBlock, activation, reset_routing_stats, rms_norm, routing_stats
-from slipstream.layers.norm import RMSNorm
+from slipstream.layers.mlp import GatedMLP, activation
+from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats
+from slipstream.layers.norm import RMSNorm, rms_norm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import UnsupportedModelError
 from slipstream.models.causal_lm import CausalLM
-from slipstream.models.llama import _STACKED, load_stacked_weights
-from slipstream.models.mixtral import rename_weights
+from slipstream.models.config import ModelConfig, UnsupportedModelError
+from slipstream.models.weights import load_stacked_weights, rename_weights
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _DEFAULT_ROPE = {
@@ -77,14 +76,6 @@ class Gemma4Config(ModelConfig):
         return True
 
 
-class GemmaRMSNorm(RMSNorm):
-    """Gemma 4's RMSNorm: the (plain, not 1 + w) scale is applied in float32 before casting back."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
-
-
 class Gemma4Attention(nn.Module):
     def __init__(self, config: Gemma4Config, layer: int, rotary: RotaryEmbedding):
         super().__init__()
@@ -100,56 +91,57 @@ class Gemma4Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + num_kv_projections * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, cast_last=True)
         if not self.shares_kv:
-            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, cast_last=True)
         self.eps = config.rms_norm_eps
         self.rotary = rotary
-        self.sliding_window = config.sliding_window if self.layer_type == SLIDING else None
-        self.kv_cache = None  # bound by the model runner (KV-sharing layers have none)
+        window = config.sliding_window if self.layer_type == SLIDING else None
+        # KV-sharing layers own no cache: they attend through their source layer's Attention
+        self.attn = None if self.shares_kv else Attention(self.num_heads, self.num_kv_heads, self.head_dim, 1.0, window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, shared_kv: dict) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q = self.q_norm(qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim))
         if self.shares_kv:
-            k, v, cache = shared_kv[self.layer_type]  # attend rewrites the same slots: harmless
+            k, v, attn = shared_kv[self.layer_type]  # it rewrites the same slots with the same K/V: harmless
             q, _ = self.rotary(positions, q, q[:, :0])  # keys come rotated from the source layer
         else:
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
             v = k if self.k_eq_v else qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
             v = rms_norm(v, self.eps)
             q, k = self.rotary(positions, q, self.k_norm(k))
-            cache = self.kv_cache
-            shared_kv[self.layer_type] = (k, v, cache)  # the latest of its type: what KV-sharing layers read
-        out = attend(q, k, v, cache, get_metadata(), 1.0, self.sliding_window)
-        return self.o_proj(out.flatten(1))
+            attn = self.attn
+            shared_kv[self.layer_type] = (k, v, attn)  # the latest of its type: what KV-sharing layers read
+        return self.o_proj(attn(q, k, v).flatten(1))
 
 
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, config: Gemma4Config, layer: int, rotary: RotaryEmbedding):
         super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(h, eps)
+        h = config.hidden_size
+        norm = partial(RMSNorm, eps=config.rms_norm_eps, cast_last=True)
+        self.input_layernorm = norm(h)
         self.self_attn = Gemma4Attention(config, layer, rotary)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = norm(h)
+        self.pre_feedforward_layernorm = norm(h)
         wide = config.use_double_wide_mlp and self.self_attn.shares_kv
         self.mlp = GatedMLP(h, config.intermediate_size * (2 if wide else 1), config.hidden_act)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = norm(h)
         self.moe = None
         if config.enable_moe_block:
-            self.post_feedforward_layernorm_1 = GemmaRMSNorm(h, eps)
-            self.pre_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
+            self.post_feedforward_layernorm_1 = norm(h)
+            self.pre_feedforward_layernorm_2 = norm(h)
             self.moe = SparseMoeBlock(h, config.moe_intermediate_size, config.num_experts, config.top_k_experts,
                                       renormalize=True, act=config.hidden_act, router_input_scale=True,
-                                      per_expert_scale=True, eps=eps)
-            self.post_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
+                                      per_expert_scale=True, eps=config.rms_norm_eps)
+            self.post_feedforward_layernorm_2 = norm(h)
         self.per_layer_input = config.hidden_size_per_layer_input > 0
         if self.per_layer_input:
             self.act = activation(config.hidden_act)
             self.per_layer_input_gate = Linear(h, config.hidden_size_per_layer_input, bias=False)
             self.per_layer_projection = Linear(config.hidden_size_per_layer_input, h, bias=False)
-            self.post_per_layer_input_norm = GemmaRMSNorm(h, eps)
+            self.post_per_layer_input_norm = norm(h)
         self.layer_scalar = nn.Parameter(torch.ones(1))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, per_layer_input: torch.Tensor | None,
@@ -179,13 +171,13 @@ class Gemma4Model(nn.Module):
                 rotaries[key] = gemma_rotary(key[1], config.max_position_embeddings, config.rope_by_type[kind])
             layers.append(Gemma4DecoderLayer(config, i, rotaries[key]))
         self.layers = nn.ModuleList(layers)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_last=True)
         ple = config.hidden_size_per_layer_input
         if ple:
             total = config.num_hidden_layers * ple
             self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, total)
             self.per_layer_model_projection = Linear(config.hidden_size, total, bias=False)
-            self.per_layer_projection_norm = GemmaRMSNorm(ple, config.rms_norm_eps)
+            self.per_layer_projection_norm = RMSNorm(ple, config.rms_norm_eps, cast_last=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = _scaled_embedding(self.embed_tokens, input_ids, self.config.hidden_size ** 0.5)
@@ -257,10 +249,6 @@ class Gemma4ForCausalLM(CausalLM):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def attention_layers(self) -> list[Gemma4Attention]:
-        """Layers that own a KV cache; KV-sharing layers read their source layer's cache."""
-        return [layer.self_attn for layer in self.model.layers if not layer.self_attn.shares_kv]
-
     def routing_stats(self) -> dict[int, list[int]]:
         return routing_stats(self.model.layers)
 
@@ -268,7 +256,7 @@ class Gemma4ForCausalLM(CausalLM):
         reset_routing_stats(self.model.layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_stacked_weights(self, rename_weights(_text_weights(weights, self.config), _RENAMES), _STACKED)
+        load_stacked_weights(self, rename_weights(_text_weights(weights, self.config), _RENAMES))
 
 
 def _text_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Gemma4Config):

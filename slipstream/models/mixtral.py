@@ -1,9 +1,9 @@
 """Mixtral: the llama decoder with its MLP replaced by a sparse mixture of experts.
 
-Attention, norms and rotary embedding are llama's; each layer's MLP is a `SparseMoeBlock`
-(8 experts, top-2, the two weights renormalised to sum to 1). Qwen2-MoE, Qwen3-MoE and
-OLMoE are built on this class and change only the attention and the MLP of each layer
-(`attention()` and `mlp()`), and the config they read.
+Attention, norms and rotary embedding are llama's; each layer's MLP (`mlp()`) is a
+`SparseMoeBlock` (8 experts, top-2, the two weights renormalised to sum to 1). Qwen2-MoE,
+Qwen3-MoE and OLMoE are built on this class and change only the config they read (which
+sets their attention's options) and the MLP of each layer.
 
 Checkpoints store experts either one tensor per expert (`block_sparse_moe.experts.3.w1.weight`,
 as transformers' `save_pretrained` writes them) or stacked (`mlp.experts.gate_up_proj`);
@@ -17,13 +17,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from slipstream.config import ModelConfig
-from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats, stack_expert_weights
-from slipstream.layers.norm import RMSNorm
-from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.loader.hf_config import common_fields
-from slipstream.models.causal_lm import CausalLM
-from slipstream.models.llama import _STACKED, LlamaAttention, load_stacked_weights
+from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats
+from slipstream.models.config import ModelConfig, common_fields
+from slipstream.models.llama import LlamaForCausalLM
+from slipstream.models.weights import load_stacked_weights, rename_weights, stack_expert_weights
 
 
 @dataclass
@@ -36,34 +33,7 @@ class MoeConfig(ModelConfig):
     norm_topk_prob: bool = True        # renormalise the k routing weights to sum to 1
 
 
-class MoeDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: nn.Module, mlp: nn.Module):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = mlp
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class MoeModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: list[nn.Module]):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
-
-
-class MixtralForCausalLM(CausalLM):
+class MixtralForCausalLM(LlamaForCausalLM):
     # checkpoint name fragment -> our module path, applied before loading
     RENAMES = {".block_sparse_moe.": ".mlp."}
 
@@ -73,15 +43,6 @@ class MixtralForCausalLM(CausalLM):
                          sliding_window=cfg.get("sliding_window"),
                          num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                          moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
-
-    def __init__(self, config: MoeConfig):
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-        layers = [MoeDecoderLayer(config, self.attention(config, rotary, i), self.mlp(config, i))
-                  for i in range(config.num_hidden_layers)]
-        super().__init__(config, MoeModel(config, layers))
-
-    def attention(self, config: MoeConfig, rotary: RotaryEmbedding, layer: int) -> nn.Module:
-        return LlamaAttention(config, rotary)
 
     def mlp(self, config: MoeConfig, layer: int) -> nn.Module:
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
@@ -96,14 +57,4 @@ class MixtralForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = stack_expert_weights(rename_weights(weights, self.RENAMES), self.config.num_experts)
-        load_stacked_weights(self, weights, _STACKED)
-
-
-def rename_weights(weights: Iterable[tuple[str, torch.Tensor]], renames: dict[str, str]):
-    """Replace the first matching fragment of each name (checkpoint layout -> ours)."""
-    for name, tensor in weights:
-        for old, new in renames.items():
-            if old in name:
-                name = name.replace(old, new, 1)
-                break
-        yield name, tensor
+        load_stacked_weights(self, weights)

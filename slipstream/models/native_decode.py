@@ -8,17 +8,18 @@ description of the step (positions, slots, block tables) built once from its met
 
 It serves steps where every token decodes (no prefill chunk), below UPCAST_MIN_ROWS tokens,
 in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8
-or int4), no biases, no q/k norms, and a dense bf16 KV cache; anything else returns None
-and takes the torch path, which stays the reference this one is tested against.
+or int4), no biases, no q/k norms, a SiLU MLP and a dense bf16 KV cache; anything else
+returns None and takes the torch path, which stays the reference this one is tested against.
 """
 from __future__ import annotations
 
 import ctypes
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from slipstream.attention.metadata import AttentionMetadata
+from slipstream.attention.metadata import get_metadata
 from slipstream.backends.cpu import abi
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear
@@ -44,20 +45,21 @@ def _layer(layer: nn.Module, lib: abi.Kernels) -> abi.Layer | None:
     """The C description of a llama decoder layer (input_layernorm, self_attn,
     post_attention_layernorm, gated mlp) bound to its KV cache, or None if it does not fit."""
     attn, mlp = layer.self_attn, layer.mlp
-    cache = attn.kv_cache
+    cache = attn.attn.kv_cache
     projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
     weights = [packed_weight(m, lib) for m in projections]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if (None in weights or attn.qk_norm or not _dense_bf16(cache) or any(w.dtype != torch.bfloat16 for w in norms)
-            or attn.rotary.cos.dtype != torch.float32 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
+    if (None in weights or attn.qk_norm or getattr(mlp, "act", None) is not F.silu or not _dense_bf16(cache)
+            or any(w.dtype != torch.bfloat16 for w in norms) or attn.rotary.cos.dtype != torch.float32
+            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
         return None
     heads, num_blocks, block_size, head_dim = cache.k.shape
-    if (attn.num_heads // heads > lib.paged_attention_max_group or head_dim > lib.paged_attention_max_head_dim
+    if (attn.attn.num_heads // heads > lib.paged_attention_max_group or head_dim > lib.paged_attention_max_head_dim
             or block_size > lib.paged_attention_max_block):
         return None
     return abi.Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, cache.k.data_ptr(), cache.v.data_ptr(),
-                  num_blocks, attn.sliding_window or 0, block_size, attn.num_heads, heads, head_dim,
-                  norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.scale)
+                  num_blocks, attn.attn.sliding_window or 0, block_size, attn.attn.num_heads, heads, head_dim,
+                  norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.attn.scale)
 
 
 class NativeDecoder:
@@ -73,7 +75,7 @@ class NativeDecoder:
         lib = abi.kernels()
         if lib is None:
             return None
-        caches = tuple(layer.self_attn.kv_cache for layer in layers)
+        caches = tuple(layer.self_attn.attn.kv_cache for layer in layers)
         built = getattr(layers, "_native_decode", None)
         if built is None or any(a is not b for a, b in zip(built[0], caches)):
             structs = [_layer(layer, lib) for layer in layers]
@@ -91,11 +93,10 @@ def _dense_bf16(cache) -> bool:
     return isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and cache.k.device.type == "cpu"
 
 
-def decode_step(meta: AttentionMetadata, positions: torch.Tensor, x: torch.Tensor,
-                rotary: nn.Module) -> abi.Step | None:
+def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module) -> abi.Step | None:
     """The step's shared C description when every row of x is a decode token, else None;
     built once per step and kept in the metadata's step cache."""
-    tokens = x.shape[0]
+    meta, tokens = get_metadata(), x.shape[0]
     if (meta.prefills or meta.num_decodes != tokens or tokens >= UPCAST_MIN_ROWS or x.dtype != torch.bfloat16
             or x.device.type != "cpu" or not x.is_contiguous() or torch.is_grad_enabled()):
         return None

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from slipstream.layers.moe import GatedMLP, SparseMoeBlock
-from slipstream.loader.hf_config import UnsupportedModelError, common_fields
+from slipstream.layers.mlp import GatedMLP
+from slipstream.layers.moe import SparseMoeBlock
+from slipstream.models.config import UnsupportedModelError, common_fields
 from slipstream.models.mixtral import MixtralForCausalLM, MoeConfig
 
 
@@ -42,7 +43,7 @@ class QwenMoeForCausalLM(MixtralForCausalLM):
             **common_fields(arch, cfg),
             attention_bias=bias,
             attention_out_bias=False if qwen2 else bias,
-            qk_norm=not qwen2,
+            qk_norm=None if qwen2 else "head",
             num_experts=num_experts,
             num_experts_per_tok=cfg["num_experts_per_tok"],
             moe_intermediate_size=cfg["moe_intermediate_size"],

@@ -1,4 +1,4 @@
-"""The MoE layer against direct computations: routing, grouped execution, counters, weight stacking."""
+"""The MoE layer against direct computations: routing, grouped execution, counters."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from slipstream.backends.cpu import build
 from slipstream.layers import moe
-from slipstream.layers.moe import SparseMoeBlock, TopKRouter, load_balance_summary, stack_expert_weights
+from slipstream.layers.moe import SparseMoeBlock, TopKRouter, load_balance_summary
 
 H, I = 16, 24
 
@@ -152,25 +152,6 @@ def test_one_expert_receiving_every_token(top_k):
     assert block.expert_counts[2].item() == 50
     assert block.expert_counts.sum().item() == 50 * top_k
     assert torch.allclose(out, direct_forward(block, x), atol=1e-5)
-
-
-def test_stack_expert_weights_matches_manual_stack():
-    g = torch.Generator().manual_seed(0)
-    tensors = {f"m.experts.{e}.{p}.weight": torch.randn(3, 2, generator=g) for e in range(2) for p in ("w1", "w3")}
-    tensors.update({f"m.experts.{e}.w2.weight": torch.randn(2, 3, generator=g) for e in range(2)})
-    tensors["m.gate.weight"] = torch.randn(2, 2, generator=g)
-    out = dict(stack_expert_weights(tensors.items(), num_experts=2))
-    assert set(out) == {"m.experts.gate_up_proj", "m.experts.down_proj", "m.gate.weight"}
-    for e in range(2):
-        assert torch.equal(out["m.experts.gate_up_proj"][e],
-                           torch.cat([tensors[f"m.experts.{e}.w1.weight"], tensors[f"m.experts.{e}.w3.weight"]]))
-        assert torch.equal(out["m.experts.down_proj"][e], tensors[f"m.experts.{e}.w2.weight"])
-
-
-def test_stack_expert_weights_rejects_missing_expert():
-    tensors = [(f"m.experts.0.{p}.weight", torch.zeros(3, 2)) for p in ("gate_proj", "up_proj", "down_proj")]
-    with pytest.raises(ValueError, match="incomplete set of expert tensors"):
-        list(stack_expert_weights(tensors, num_experts=2))
 
 
 def test_load_balance_summary():

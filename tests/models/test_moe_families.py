@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from slipstream import LLM, SamplingParams
 from slipstream.loader.hf_config import read_hf_config
-from slipstream.models.registry import build_model
+from slipstream.models.registry import build_model, config_from_hf
 from tests.conftest import TINY_VOCAB, build_tiny_checkpoint, hf_greedy, hf_prompt_logprobs, random_prompts
 
 LOGPROB_TOL = 2e-4  # float32 vs float32, different kernels: observed max |diff| ~ 4e-6
@@ -85,7 +85,7 @@ def check_against_transformers(path: str, top_k: int, num_layers: int, moe_layer
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_matches_transformers(tmp_path, name):
     path = build_moe_checkpoint(str(tmp_path), name)
-    config = read_hf_config(path)
+    config = config_from_hf(read_hf_config(path))
     top_k = FAMILIES[name][2]
     moe_layers = [i for i in range(config.num_hidden_layers) if top_k and i not in getattr(config, "dense_layers", [])]
     check_against_transformers(path, top_k, config.num_hidden_layers, moe_layers)
@@ -119,7 +119,7 @@ def test_mixtral_loads_stacked_expert_checkpoints(tmp_path):
             [torch.cat([x["w1"], x["w3"]]) for x in experts])
         stacked[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([x["w2"] for x in experts])
         stacked[f"model.layers.{layer}.mlp.gate.weight"] = tensors.pop(f"{prefix}.gate.weight")
-    config = read_hf_config(per_expert)
+    config = config_from_hf(read_hf_config(per_expert))
     a, b = build_model(config), build_model(config)
     a.load_weights(load_file(f"{per_expert}/model.safetensors").items())
     b.load_weights({**tensors, **stacked}.items())

@@ -1,4 +1,9 @@
-"""load_model: from `model=` to (model on its device and dtype, ModelConfig, tokenizer)."""
+"""load_model: from `model=` to (model on its device and dtype, ModelConfig, tokenizer).
+
+The one place where files meet model code: loader/ reads a GGUF file or a checkpoint
+directory into a config dict and named tensors, models/ turns those into a loaded module;
+here the weights are then cast, quantized and packed.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +11,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slipstream.config import ModelConfig
 from slipstream.layers.linear import prepack_weights
 from slipstream.layers.quantization import quantize_linear_layers
 from slipstream.loader import safetensors
@@ -14,7 +18,8 @@ from slipstream.loader.gguf import GGUFFile
 from slipstream.loader.hf_config import read_hf_config
 from slipstream.loader.registry import resolve_model_path
 from slipstream.loader.tokenizer import load_tokenizer
-from slipstream.models.registry import build_model
+from slipstream.models.config import ModelConfig
+from slipstream.models.registry import build_model, config_from_hf
 
 
 @dataclass
@@ -32,11 +37,10 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantization
     path = resolve_model_path(name)
     if path.endswith(".gguf"):
         gguf = GGUFFile(path)
-        config = gguf.model_config()
-        weights = gguf.hf_weights(config)
+        cfg, weights = gguf.hf_config(), gguf.hf_weights()
     else:
-        config = read_hf_config(path)
-        weights = safetensors.hf_weights(path)
+        cfg, weights = read_hf_config(path), safetensors.hf_weights(path)
+    config = config_from_hf(cfg)
     model = build_model(config)
     model.load_weights(weights)
     for param in model.parameters():  # buffers (rope tables) stay float32

@@ -1,0 +1,32 @@
+"""Attention: one layer's attention over its paged KV cache.
+
+It holds the layer's geometry (heads, KV heads, head size), scale and sliding window, and
+the layer's cache, bound by the model runner once the cache is allocated. `forward(q, k, v)`
+takes the step's rotated queries and new keys and values; it fetches the step's metadata
+itself, so model code never sees batch bookkeeping. It never knows projections, norms or
+rotary embeddings, nor which attention implementation reads the cache.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slipstream.attention import attend
+from slipstream.attention.metadata import get_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.kv_cache = None  # bound by the model runner once the cache is allocated
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
+        Writes k and v into the cache at the step's slots, then attends over each sequence's context."""
+        return attend(q, k, v, self.kv_cache, get_metadata(), self.scale, self.sliding_window)
