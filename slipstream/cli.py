@@ -1,4 +1,4 @@
-"""Command line: `slipstream generate | chat | serve | bench {serve,throughput,latency}` (vLLM's flag names)."""
+"""Command line: `slipstream generate | chat | serve | info | bench {serve,throughput,latency}` (vLLM's flag names)."""
 from __future__ import annotations
 
 import argparse
@@ -124,6 +124,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
 
 
+def cmd_info(args: argparse.Namespace) -> None:
+    """The backend this machine gets and why, without loading a model."""
+    import torch
+
+    from slipstream.backends.select import select_backend
+    from slipstream.platform import resolve_device
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for line in select_backend(resolve_device(args.device)).describe():
+        print(line)
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> None:
     from slipstream.bench import serve
 
@@ -182,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_sampling_args(p)
     gen.set_defaults(func=cmd_generate)
     chat.set_defaults(func=cmd_chat)
+    info = sub.add_parser("info", help="which backend and kernels serve this machine, and why")
+    info.add_argument("--device", default=EngineConfig().device)
+    info.set_defaults(func=cmd_info)
     add_serve_parser(sub)
     add_bench_parser(sub)
     return parser

@@ -3,7 +3,7 @@
 Decode tokens are handled together: their contexts are gathered through padded block
 tables and masked by length. Each prefill chunk attends causally to its cached prefix and
 to itself. Nothing here assumes a CPU; it is the portable path that faster kernels are
-tested against.
+tested against, and a backend may hand it a faster kernel for the decode queries.
 """
 from __future__ import annotations
 
@@ -15,13 +15,18 @@ from slipstream.kvcache.cache import LayerKVCache
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hk, D] for the step's new tokens. Returns [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    decode_kernel=None) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hk, D] for the step's new tokens. Returns [T, Hq, D].
+
+    `decode_kernel(q, cache, meta, scale, window)`, if given, attends the decode queries (a
+    backend's kernel); where it returns None they take the torch path."""
     cache.write(k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     n = meta.num_decodes
     if n:
-        out[:n] = decode(q[:n], cache, meta, scale, sliding_window)
+        fast = None if decode_kernel is None else decode_kernel(q[:n], cache, meta, scale, sliding_window)
+        out[:n] = decode(q[:n], cache, meta, scale, sliding_window) if fast is None else fast
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         out[rows] = prefill(q[rows], k[rows], v[rows], cache, chunk, scale, sliding_window)

@@ -3,38 +3,36 @@
 Queries are scaled by the cache's fixed per-channel key scale and rotated once per step;
 key scores come from the codes (centroid gather in the rotated space, plus the QJL term for
 `-qjl` keys); values are accumulated in the rotated space and rotated back once per query
-row. The cache is never dequantized to the original space. Decode queries on the CPU go
-through the native kernel (kernels/turboquant_attention.c: each sequence reads its own
-blocks' packed codes, no gather or padding); elsewhere, and for prefill chunks, the same
-math runs in torch (`TurboQuantizer.scores` / `weighted_sum`), which the kernel is tested
-against. A prefill chunk with no cached prefix attends to its own fresh K/V (as every
+row. The cache is never dequantized to the original space. A backend may pass a kernel for
+the decode queries (the CPU's reads each sequence's own blocks' packed codes, no gather or
+padding: backends/cpu/attention.py); otherwise, and for prefill chunks, the same math runs
+in torch (`TurboQuantizer.scores` / `weighted_sum`), which kernels are tested against. A prefill chunk with no cached prefix attends to its own fresh K/V (as every
 engine does); every other query reads the codes.
 
 With R recent and S sink tokens (kvcache/recent_window.py), a query at position p reads every
 token t <= p with t > p - R or t < S in 16 bits instead: the step's own tokens from the fresh
 k/v, older ones from the cache's staging blocks where they have one (else from the codes). Each token is scored
 exactly once; code and 16-bit logits share one softmax (the codes hold k - mu, so <q, mu> is
-taken off the 16-bit logits). The native kernel applies the same rule token by token, reading
-staged tokens from the staging blocks and the query's own from the fresh k/v.
+taken off the 16-bit logits). A kernel applies the same rule token by token, reading staged
+tokens from the staging blocks and the query's own from the fresh k/v.
 """
 from __future__ import annotations
 
-import ctypes
 import math
 
 import torch
 
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
-from slipstream.attention.native import decode_batch
-from slipstream.backends.cpu import abi
 from slipstream.kvcache.recent_window import RecentWindow
-from slipstream.kvcache.turboquant import TurboQuantizer
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
-                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    decode_kernel=None) -> torch.Tensor:
+    """As reference.paged_attention, on the codes; `decode_kernel(q [B, Hk, G, D], k, v, cache,
+    tables, lens, scale, window)` is a backend's kernel for the decode queries (None: declined)."""
     if not cache.calibrated:
         return _calibration_attention(q, k, v, cache, scale, sliding_window)
     cache.write(k, v, meta.slot_mapping)
@@ -43,7 +41,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tu
     out = torch.empty_like(q)
     n = meta.num_decodes
     if n:
-        out[:n] = _decode(q[:n], k[:n], v[:n], cache, meta, scale, sliding_window)
+        out[:n] = _decode(q[:n], k[:n], v[:n], cache, meta, scale, sliding_window, decode_kernel)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         if chunk.context_len == chunk.length:
@@ -74,10 +72,10 @@ def _stage(window: RecentWindow, k: torch.Tensor, v: torch.Tensor, meta: Attenti
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
-            meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+            meta: AttentionMetadata, scale: float, window: int | None, decode_kernel=None) -> torch.Tensor:
     n, tables, lens = q.shape[0], meta.decode_block_tables, meta.decode_context_lens
     qg = q.view(n, cache.k.shape[2], -1, q.shape[-1])  # [B, Hk, G, D]
-    out = _native_decode(qg, k, v, cache, tables, lens, scale, window)
+    out = None if decode_kernel is None else decode_kernel(qg, k, v, cache, tables, lens, scale, window)
     if out is None:
         tables = meta.narrow_decode_tables(cache.block_size)
         keys, values = cache.codes_by_head(tables)  # [B, Hk, L, nbytes]
@@ -88,47 +86,6 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuant
             dense = _decode_dense(cache.window, k, v, tables, lens, window)
         out = _attend(qg, keys, values, visible[:, None, None, :], cache, scale, dense)
     return out.reshape(n, *q.shape[1:])
-
-
-def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
-                   tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor | None:
-    """The C kernel on the codes (and on the 16-bit window's tokens, if any), q [B, Hk, G, D] -> [B, Hk, G, D]
-    float32; None where it does not run."""
-    lib = abi.kernels() if q.device.type == "cpu" else None
-    recent = cache.window
-    if (lib is None or not (_has_slack(cache.k, lib) and _has_slack(cache.v, lib))
-            or (recent is not None and recent.k.dtype not in _DENSE_DTYPES)):
-        return None
-    to_keys, back = cache.decode_maps
-    batch, heads, group, dim = q.shape
-    q = q.float().contiguous()
-    out = torch.empty_like(q)
-    tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
-    keys, values = _code_rows(cache.k, cache.key_quantizer), _code_rows(cache.v, cache.value_quantizer)
-    layer = abi.TurboQuantAttention(keys, values, to_keys.data_ptr(), back.data_ptr(), None, window or 0, heads, group,
-                                    dim, cache.block_size, scale)
-    if recent is not None:
-        k, v = k.to(recent.k.dtype).contiguous(), v.to(recent.v.dtype).contiguous()
-        key_mean = cache.key_mean.contiguous()
-        layer.dense = ctypes.pointer(abi.DenseTokens(
-            recent.staging_of.data_ptr(), recent.k.data_ptr(), recent.v.data_ptr(), k.data_ptr(), v.data_ptr(),
-            key_mean.data_ptr(), recent.tokens, recent.sinks, int(recent.k.dtype == torch.bfloat16)))
-    status = lib.turboquant_decode_attention(layer, decode_batch(batch, tables, lens), q.data_ptr(), out.data_ptr())
-    return out if status == 0 else None
-
-
-def _code_rows(rows: torch.Tensor, quantizer: TurboQuantizer) -> abi.CodeRows:
-    pieces, values = quantizer.row_layout  # cached on the quantizer: alive as long as the cache
-    return abi.CodeRows(rows.data_ptr(), pieces.data_ptr(), values.data_ptr(), len(pieces), quantizer.nbytes,
-                        quantizer.code_width)
-
-
-_DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the 16-bit window's dtypes the kernel reads
-
-
-def _has_slack(rows: torch.Tensor, lib: abi.Kernels) -> bool:
-    """The kernel's wide loads may run past the last row (turboquant_cache.row_slack)."""
-    return rows.untyped_storage().nbytes() - rows.storage_offset() - rows.numel() >= lib.turboquant_row_slack
 
 
 def _decode_dense(recent: RecentWindow, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from slipstream.backends.select import select_backend
 from slipstream.config import EngineConfig
 from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.output import OutputProcessor
@@ -42,7 +43,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.dtype, self.device, config.quantization)
+        self.backend = select_backend(self.device)
+        loaded = load_model(config.model, self.dtype, self.backend, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_cache = self._allocate_kv_cache(loaded.model)
@@ -51,7 +53,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         eos = self.model_config.eos_token_ids
-        self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(default_processors(eos)), self.device,
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.backend, Sampler(default_processors(eos)),
                                   config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
         self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                         self.kv_cache.num_blocks, config.block_size)
@@ -64,6 +66,8 @@ class LLMEngine:
                     config.model, self.model_config.architecture, self.device, str(self.dtype).replace("torch.", ""),
                     config.kv_cache_memory / 2**20, self.kv_cache.num_blocks, config.block_size,
                     self.kv_cache.num_blocks * config.block_size, self.kv_cache.bytes_per_token)
+        for line in self.backend.describe():
+            logger.info("%s", line)
 
     def _allocate_kv_cache(self, model) -> KVCache:
         c = self.config

@@ -2,7 +2,8 @@
 
 The one place where files meet model code: loader/ reads a GGUF file or a checkpoint
 directory into a config dict and named tensors, models/ turns those into a loaded module;
-here the weights are then cast, quantized and packed.
+here the weights are then cast and handed to the backend, which lays them out (quantized,
+packed) for its GEMMs.
 """
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slipstream.layers.linear import prepack_weights
-from slipstream.layers.quantization import quantize_linear_layers
+from slipstream.backends.base import Backend
 from slipstream.loader import safetensors
 from slipstream.loader.gguf import GGUFFile
 from slipstream.loader.hf_config import read_hf_config
@@ -30,7 +30,8 @@ class LoadedModel:
     tokenizer: object | None
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> LoadedModel:
+def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: str | None = None) -> LoadedModel:
+    device = backend.device
     if quantization and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on PyTorch's CPU kernels; "
                          f"device={device.type!r} is not supported (use device='cpu' or no quantization)")
@@ -45,10 +46,8 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantization
     model.load_weights(weights)
     for param in model.parameters():  # buffers (rope tables) stay float32
         param.data = param.data.to(dtype)
-    if quantization:
-        quantize_linear_layers(model, quantization)
     model.to(device)
-    prepack_weights(model)
+    backend.prepare(model, quantization)
     model.eval()
     tokenizer = load_tokenizer(path)
     _add_tokenizer_eos(config, tokenizer)

@@ -1,17 +1,16 @@
 """Attention: one layer's attention over its paged KV cache.
 
-It holds the layer's geometry (heads, KV heads, head size), scale and sliding window, and
-the layer's cache, bound by the model runner once the cache is allocated. `forward(q, k, v)`
-takes the step's rotated queries and new keys and values; it fetches the step's metadata
-itself, so model code never sees batch bookkeeping. It never knows projections, norms or
-rotary embeddings, nor which attention implementation reads the cache.
+It holds the layer's geometry (heads, KV heads, head size), scale and sliding window, and,
+once the cache is allocated, the layer's cache and the implementation the backend chose for
+it (`bind`). `forward(q, k, v)` takes the step's rotated queries and new keys and values; it
+fetches the step's metadata itself, so model code never sees batch bookkeeping. It never
+knows projections, norms or rotary embeddings, nor which implementation reads the cache.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from slipstream.attention import attend
 from slipstream.attention.metadata import get_metadata
 
 
@@ -24,9 +23,13 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
-        self.kv_cache = None  # bound by the model runner once the cache is allocated
+        self.kv_cache = self.impl = None
+
+    def bind(self, cache, impl) -> None:
+        """The layer's KV cache, and the attention(q, k, v, cache, metadata, scale, window) that reads it."""
+        self.kv_cache, self.impl = cache, impl
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
         Writes k and v into the cache at the step's slots, then attends over each sequence's context."""
-        return attend(q, k, v, self.kv_cache, get_metadata(), self.scale, self.sliding_window)
+        return self.impl(q, k, v, self.kv_cache, get_metadata(), self.scale, self.sliding_window)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from slipstream.attention.metadata import use_metadata
+from slipstream.backends.base import Backend
 from slipstream.engine.scheduler_output import NewSequence, SchedulerOutput
 from slipstream.kvcache.cache import KVCache
 from slipstream.layers.sampler import SampleResult, Sampler, SamplingMetadata, logprobs_for
@@ -32,15 +33,14 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: KVCache, sampler: Sampler, device: torch.device,
+    def __init__(self, model: nn.Module, kv_cache: KVCache, backend: Backend, sampler: Sampler,
                  max_num_tokens: int, max_num_seqs: int, max_model_len: int):
         self.model = model
         self.sampler = sampler
         self.sequences: dict[int, CachedSequence] = {}
         max_blocks = min(kv_cache.num_blocks, -(-max_model_len // kv_cache.block_size))
-        self.input_batch = InputBatch(max_num_tokens, max_num_seqs, max_blocks, kv_cache.block_size, device)
-        for attn, layer_cache in zip(model.attention_layers(), kv_cache.layers):
-            attn.kv_cache = layer_cache
+        self.input_batch = InputBatch(max_num_tokens, max_num_seqs, max_blocks, kv_cache.block_size, backend.device)
+        backend.bind_attention(model.attention_layers(), kv_cache.layers)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:

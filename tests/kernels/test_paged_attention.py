@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.attention import native, reference
+from slipstream.attention import reference
+from slipstream.backends.cpu.attention import dense_decode
+from slipstream.backends.cpu.backend import CpuBackend
+from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu import abi, build
 from slipstream.kvcache.cache import LayerKVCache
 from tests.conftest import step_metadata
@@ -39,8 +42,8 @@ def _decode_step(lens: list[int], num_heads: int, kv_heads: int, dim: int = 64, 
 @pytest.mark.parametrize("window", [None, 20])
 def test_kernel_equals_reference_decode(isa, num_heads, kv_heads, window):
     q, cache, meta = _decode_step([1, 17, 100, 16, 250], num_heads, kv_heads)
-    ours = torch.empty_like(q)
-    assert native.decode(q, cache, meta, 0.125, window, ours)
+    ours = dense_decode(q, cache, meta, 0.125, window)
+    assert ours is not None
     ref = reference.decode(q, cache, meta, 0.125, window)
     # the reference rounds scores and probabilities to bf16; the kernel keeps them in fp32 (in every
     # build: plain C that the compiler vectorizes per ISA; measured 0.0032 from fp32 in each)
@@ -65,15 +68,21 @@ def test_kernel_reads_only_each_sequence_blocks(isa):
     cache.k[:, free] = float("nan")
     last = meta.decode_block_tables[0, 0]
     cache.v[:, last, 5:] = float("nan")  # slots after the 5 tokens of sequence 0
-    out = torch.empty_like(q)
-    assert native.decode(q, cache, meta, 0.125, None, out)
-    assert torch.isfinite(out).all()
+    out = dense_decode(q, cache, meta, 0.125, None)
+    assert out is not None and torch.isfinite(out).all()
 
 
 def test_disabled_native_kernels_fall_back(no_native_kernels):
-    q, cache, _ = _decode_step([3], 4, 1)
+    _, cache, _ = _decode_step([3], 4, 1)
     assert abi.kernels() is None
-    assert not native.supports(q, cache)
+    assert CpuBackend(CpuCapability.detect()).attention(cache) is reference.paged_attention
+
+
+def test_the_backend_binds_the_decode_kernel_to_bf16_caches_only(isa):
+    backend = CpuBackend(CpuCapability.detect())
+    _, cache, _ = _decode_step([3], 4, 1)
+    assert backend.attention(cache).keywords == {"decode_kernel": dense_decode}
+    assert backend.attention(_float_cache(cache)) is reference.paged_attention
 
 
 @pytest.mark.parametrize("tokens", [1, 6])

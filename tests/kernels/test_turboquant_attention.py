@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from slipstream.attention import reference, turboquant
+from slipstream.backends.cpu.attention import turboquant_decode
+from slipstream.backends.cpu.backend import CpuBackend
+from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache, _native_write
 from tests.conftest import step_metadata
@@ -48,7 +51,7 @@ def _decode_step(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, 
 
 
 def _kernel_decode(q, cache, meta, window):
-    out = turboquant._native_decode(q.view(*q.shape[:1], cache.k.shape[2], -1, q.shape[-1]), None, None, cache,
+    out = turboquant_decode(q.view(*q.shape[:1], cache.k.shape[2], -1, q.shape[-1]), None, None, cache,
                                     meta.decode_block_tables, meta.decode_context_lens, 0.125, window)
     assert out is not None
     return out.reshape(q.shape)
@@ -99,7 +102,7 @@ def test_kernel_reads_only_each_sequence_blocks(isa):
 @pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0)])
 @pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 12])
-def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, monkeypatch, recent, sinks, dense_dtype, window):
+def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window):
     """With 16-bit windows the kernel reads staged tokens (and the query's own) in 16 bits, the rest from codes."""
     g = torch.Generator().manual_seed(2)
     block_size, kv_heads, num_heads, lens = 4, 2, 6, [37, 9]
@@ -118,8 +121,7 @@ def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, monkeypat
     cache.write(k, v, slots)
     turboquant._stage(cache.window, k, v, meta)
     assert cache.window.exists(tables[0]).any()
-    ours = turboquant._decode(q, k, v, cache, meta, 0.125, window)
-    monkeypatch.setattr(turboquant, "_native_decode", lambda *args: None)
+    ours = turboquant._decode(q, k, v, cache, meta, 0.125, window, turboquant_decode)
     assert (ours - turboquant._decode(q, k, v, cache, meta, 0.125, window)).abs().max() < TOL
 
 
@@ -142,9 +144,8 @@ def test_native_encoder_writes_the_bytes_quantize_returns(isa, kv_dtype):
 
 
 def test_disabled_native_kernels_fall_back(no_native_kernels):
-    q, cache, meta = _decode_step("tq3", [3], 4, 1)
-    assert turboquant._native_decode(q.view(1, 1, 4, 64), None, None, cache, meta.decode_block_tables,
-                                     meta.decode_context_lens, 0.125, None) is None
+    _, cache, _ = _decode_step("tq3", [3], 4, 1)
+    assert CpuBackend(CpuCapability.detect()).attention(cache) is turboquant.paged_attention
     assert not _native_write(cache.k, cache.key_quantizer, torch.randn(1, 1, 64), torch.tensor([0]))
 
 
@@ -152,6 +153,6 @@ def test_rows_without_slack_take_the_torch_path(isa):
     """The kernel's wide loads may run past the last row: it only reads rows allocated with the slack after them."""
     q, cache, meta = _decode_step("tq3", [20], 4, 1)
     args = (q.view(1, 1, 4, 64), None, None, cache, meta.decode_block_tables, meta.decode_context_lens, 0.125, None)
-    assert turboquant._native_decode(*args) is not None
+    assert turboquant_decode(*args) is not None
     cache.k = cache.k.clone()
-    assert turboquant._native_decode(*args) is None
+    assert turboquant_decode(*args) is None

@@ -1,0 +1,74 @@
+"""What this CPU offers the engine: its instruction-set flags, and the native kernels it runs.
+
+Read once per process from /proc/cpuinfo and from the kernel build the engine uses
+(build.py, abi.py); the CPU backend decides its paths from this alone, so tests can hand
+it a capability of another CPU and check what it would choose. Never decides a path itself.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from slipstream.backends.cpu import abi, build
+
+# flags worth naming at start-up, the most capable first
+NOTABLE_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+
+
+@dataclass(frozen=True)
+class CpuCapability:
+    flags: frozenset[str]
+    kernels: abi.Kernels | None  # the engine's native kernels, None when off or not built
+    isa: str                     # the kernels' build (build.ISAS)
+    no_kernels_reason: str = ""
+
+    @classmethod
+    def detect(cls) -> CpuCapability:
+        if not build.ENABLED:
+            return cls(cpu_flags(), None, build.ISA, "SLIPSTREAM_NATIVE=0")
+        kernels = abi.kernels()
+        reason = "" if kernels is not None else f"they did not build with {build.COMPILER!r} (see the warning above)"
+        return cls(cpu_flags(), kernels, build.ISA, reason)
+
+    @property
+    def amx(self) -> bool:
+        """oneDNN's bf16 GEMMs run on AMX tiles (torch's own kernels, whatever ours are)."""
+        return {"amx_bf16", "amx_tile"} <= self.flags
+
+    @property
+    def native_bf16(self) -> bool:
+        return "avx512_bf16" in self.flags or self.amx
+
+    @property
+    def gemm(self) -> bool:
+        """kernels/gemm.c has a path for this build (AVX-512)."""
+        return self.kernels is not None and self.kernels.gemm_bf16_available() == 1
+
+    @property
+    def moe_expert(self) -> bool:
+        return self.kernels is not None and self.kernels.moe_expert_available() == 1
+
+    @property
+    def level(self) -> str:
+        """The best arithmetic the native kernels use: amx, avx512, avx2, generic, or torch (none)."""
+        if self.kernels is None:
+            return "torch"
+        if self.gemm:
+            return "amx" if self.amx and self.isa == "native" else "avx512"
+        return "avx2" if self.isa == "x86-64-v3" or "avx2" in self.flags and self.isa == "native" else "generic"
+
+    def summary(self) -> str:
+        flags = " ".join(f for f in NOTABLE_FLAGS if f in self.flags) or "none of " + " ".join(NOTABLE_FLAGS)
+        kernels = (f"native kernels built for {self.isa} ({build.ISAS[self.isa]})" if self.kernels is not None
+                   else f"no native kernels: {self.no_kernels_reason}")
+        return f"CPU flags: {flags}; {kernels}"
