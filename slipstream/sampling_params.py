@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slipstream.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +32,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # sample only among these
+    # output constrained to a JSON schema, regex, choice or grammar (a dict is read as its fields)
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -37,6 +41,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k in (None, -1):
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured(self.structured_outputs)
         self._validate()
 
     @property
@@ -70,9 +76,22 @@ class SamplingParams:
         _check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
                                                   and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
                "allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "None, a StructuredOutputsParams or a dict of its fields")
+        # both restrict the vocabulary; a grammar step that allows none of the ids would have no token to sample
+        _check(not (self.structured_outputs and self.allowed_token_ids), "allowed_token_ids", self.allowed_token_ids,
+               "None when structured_outputs is set")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= 20), name, value, "None or an integer in [0, 20]")
+
+
+def _structured(fields: dict) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except TypeError:
+        raise ValueError(f"structured_outputs={fields!r} is invalid; its keys must be among "
+                         "json, regex, choice, grammar, json_object") from None
 
 
 def _is_int(value) -> bool:

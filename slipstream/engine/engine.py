@@ -4,12 +4,15 @@ One `step()` schedules a batch (a SchedulerOutput), runs the model once on it, a
 sampled tokens, checks stop conditions, frees finished sequences and registers newly
 filled blocks in the prefix cache. It returns a RequestOutput (cumulative so far) for every
 request that progressed. Inputs are validated by the InputProcessor, outputs built by the
-OutputProcessor.
+OutputProcessor; structured-output grammars are validated at add_request and compiled on
+the GrammarCompiler's thread while the step loop goes on.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import queue
 import time
 
 import torch
@@ -32,6 +35,8 @@ from slipstream.engine.model_loader import load_model
 from slipstream.outputs import RequestMetrics, RequestOutput
 from slipstream.platform import resolve_device, resolve_dtype
 from slipstream.sampling_params import SamplingParams
+from slipstream.structured.bitmask import GrammarBitmask
+from slipstream.structured.grammars import GrammarCompiler
 from slipstream.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger("slipstream")
@@ -53,8 +58,13 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         eos = self.model_config.eos_token_ids
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.backend, Sampler(default_processors(eos)),
+        vocab = self.model_config.vocab_size
+        sampler = Sampler([GrammarBitmask(vocab)] + default_processors(eos))
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.backend, sampler,
                                   config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, vocab, eos)
+        self._compiling: set[concurrent.futures.Future] = set()
+        self._grammar_failures: queue.SimpleQueue[tuple[str, BaseException]] = queue.SimpleQueue()
         self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                         self.kv_cache.num_blocks, config.block_size)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
@@ -100,11 +110,25 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, token_ids, params = self.processor.process(prompt, params or SamplingParams())
+        grammar = self._submit_grammar(request_id, params)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
-        seqs = [Sequence(request_id, token_ids, params, metrics, i, cache_salt) for i in range(params.n)]
+        seqs = [Sequence(request_id, token_ids, params, metrics, i, cache_salt, grammar) for i in range(params.n)]
         self.requests[request_id] = Request(request_id, prompt_text, token_ids, params, seqs, metrics)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _submit_grammar(self, request_id: str, params: SamplingParams) -> concurrent.futures.Future | None:
+        if params.structured_outputs is None:
+            return None
+        future = self.grammars.submit(params.structured_outputs)  # ValueError if the spec is invalid
+        if not future.done():
+            self._compiling.add(future)
+        def on_done(f: concurrent.futures.Future) -> None:  # on the compiler's thread
+            if f.exception() is not None:
+                self._grammar_failures.put((request_id, f.exception()))
+
+        future.add_done_callback(on_done)
+        return future
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
@@ -122,7 +146,10 @@ class LLMEngine:
 
     # --- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._abort_failed_grammars()
         scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            self._wait_for_grammars()
         now = time.monotonic()
         for s in scheduled.scheduled:
             metrics = self.scheduler.sequences[s.seq_id].metrics
@@ -130,7 +157,24 @@ class LLMEngine:
         result = self.runner.execute(scheduled)
         progressed = self._update(scheduled, result)
         self._maybe_log_stats()
-        return [self._request_output(r) for r in progressed]
+        return failed + [self._request_output(r) for r in progressed]
+
+    def _abort_failed_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile (validation passed, so this is the library's failure)."""
+        outputs = []
+        while not self._grammar_failures.empty():
+            request_id, error = self._grammar_failures.get()
+            logger.error("request %s: its grammar failed to compile: %s", request_id, error)
+            output = self.abort_request(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run but grammars to compile: sleep until one is done (briefly, so commands still run)."""
+        self._compiling = {f for f in self._compiling if not f.done()}
+        if self._compiling:
+            concurrent.futures.wait(self._compiling, timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         now = time.monotonic()

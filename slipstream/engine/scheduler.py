@@ -2,7 +2,8 @@
 
 Each step, running sequences get their decode token first; the rest of the budget
 (`max_num_batched_tokens`) goes to prefill chunks, of running sequences first, then of
-waiting ones admitted in arrival order while `max_num_seqs` allows. When a running
+waiting ones admitted in arrival order while `max_num_seqs` allows (a sequence whose grammar
+is still compiling is passed over, and those behind it go ahead). When a running
 sequence needs a block and none is free, the newest running sequence is preempted: its
 blocks are freed and it returns to the front of the queue, to be recomputed later
 (reusing whatever of its prefix is still cached).
@@ -62,8 +63,9 @@ class Scheduler:
         for seq, n in scheduled.items():
             sent = self._blocks_sent.get(seq.seq_id)
             if sent is None:
+                grammar = seq.grammar.result() if seq.grammar is not None else None  # ready: admitted only then
                 out.new_sequences.append(NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
-                                                     seq.params, seq.index))
+                                                     seq.params, seq.index, grammar))
             out.scheduled.append(ScheduledSequence(seq.seq_id, n, seq.num_computed_tokens, seq.block_table[sent or 0:],
                                                    seq.seq_id in self._resumed))
             self._resumed.discard(seq.seq_id)
@@ -84,14 +86,15 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in [s for s in self.waiting if s.grammar_ready]:
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
             hits = self.block_manager.find_cached_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if not self.block_manager.can_allocate(seq, hits, n):
                 break
             self.block_manager.allocate(seq, hits, n)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if not seq.num_preemptions:
                 seq.num_cached_tokens = seq.num_computed_tokens

@@ -9,8 +9,12 @@ later steps send only what changed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from slipstream.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from slipstream.structured.grammars import CompiledGrammar
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class NewSequence:
     num_prompt_tokens: int
     params: SamplingParams
     index: int = 0  # which of the request's n samples: seeds its random stream
+    grammar: CompiledGrammar | None = None  # structured outputs: compiled, immutable, shared by the request's samples
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from concurrent.futures import Future
 
 from slipstream.outputs import RequestMetrics, TokenLogprobs
 from slipstream.sampling_params import SamplingParams
@@ -25,7 +26,8 @@ _seq_ids = itertools.count()
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 metrics: RequestMetrics, index: int = 0, cache_salt: str | None = None):
+                 metrics: RequestMetrics, index: int = 0, cache_salt: str | None = None,
+                 grammar: Future | None = None):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index
@@ -34,6 +36,7 @@ class Sequence:
         self.params = params
         self.metrics = metrics
         self.cache_salt = cache_salt
+        self.grammar = grammar  # structured outputs: a Future of its CompiledGrammar, compiled off this thread
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -67,6 +70,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def grammar_ready(self) -> bool:
+        """No grammar, or one compiled (a failed one is never ready: the engine aborts its request)."""
+        return self.grammar is None or (self.grammar.done() and self.grammar.exception() is None)
 
     @property
     def is_finished(self) -> bool:

@@ -34,7 +34,11 @@ def logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 
 
 class MinTokens:
-    """Stop tokens (stop_token_ids, and EOS unless ignore_eos) are masked until min_tokens outputs exist."""
+    """Stop tokens (stop_token_ids, and EOS unless ignore_eos) are masked until min_tokens outputs exist.
+
+    Except where nothing else is left (a grammar that can only end, or allowed_token_ids
+    made only of stops): the sequence ends early rather than sampling from no token at all.
+    """
 
     def __init__(self, eos_token_ids: list[int]):
         self.eos_token_ids = eos_token_ids
@@ -44,7 +48,10 @@ class MinTokens:
             if len(tokens) - prompt < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 if stops:
+                    kept = logits[row, stops].clone()
                     logits[row, stops] = float("-inf")
+                    if not torch.isfinite(logits[row]).any():
+                        logits[row, stops] = kept
 
 
 def penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:

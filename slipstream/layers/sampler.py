@@ -1,7 +1,7 @@
 """Sampler: next tokens for a batch in which every row has its own SamplingParams.
 
-Order (vLLM's): the logits processors on the raw logits (allowed_token_ids, logit_bias,
-min_tokens, penalties), then temperature, min_p, top_k, top_p, then a draw from each row's
+Order (vLLM's): the logits processors on the raw logits (the grammar mask of structured
+outputs, allowed_token_ids, logit_bias, min_tokens, penalties), then temperature, min_p, top_k, top_p, then a draw from each row's
 own generator (the exponential-race form of sampling, so a seeded sequence draws the same
 numbers whatever the batch). Log-probabilities reported to the user are those of the raw
 model logits. The sampler knows rows, never sequences or the scheduler.
@@ -24,6 +24,7 @@ class SamplingMetadata:
     token_ids: list[list[int]]    # each row's tokens so far: prompt, then output
     num_prompt_tokens: list[int]
     generators: list[torch.Generator]
+    grammars: list | None = None  # each row's GrammarState (structured outputs) or None; None: no row has one
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 
 from slipstream.attention.metadata import AttentionMetadata, leading_decodes
 from slipstream.sampling_params import SamplingParams
+from slipstream.structured.bitmask import GrammarState
 
 
 @dataclass
@@ -30,6 +31,7 @@ class CachedSequence:
     generator: torch.Generator
     block_ids: list[int]
     next_prompt_logprob: int = 1  # first prompt position whose logprob is still owed (position 0 has none)
+    grammar: GrammarState | None = None  # structured outputs: has accepted every output token so far
 
     @property
     def wants_prompt_logprobs(self) -> bool:

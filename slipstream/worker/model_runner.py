@@ -2,7 +2,8 @@
 
 The runner keeps a `CachedSequence` for every sequence the scheduler has sent it, until the
 scheduler names it finished: its tokens (the runner appends what it samples), its block
-table and its sampling state. Rows with one new token are laid out first, then the others.
+table and its sampling state (generator, and the grammar state of structured outputs, which
+accepts each token as it is appended). Rows with one new token are laid out first, then the others.
 Logits are computed only for rows that sample (the last token of a row that reaches its
 sequence's last known token) and for prompt positions whose logprob was asked for.
 """
@@ -18,6 +19,7 @@ from slipstream.backends.base import Backend
 from slipstream.engine.scheduler_output import NewSequence, SchedulerOutput
 from slipstream.kvcache.cache import KVCache
 from slipstream.layers.sampler import SampleResult, Sampler, SamplingMetadata, logprobs_for
+from slipstream.structured.bitmask import GrammarState
 from slipstream.worker.input_batch import CachedSequence, InputBatch, Row
 
 # (token id, its logprob, its rank, top-N pairs) for one prompt token, in prompt order
@@ -80,17 +82,22 @@ class ModelRunner:
         samples = [i for i, (_, _, target) in enumerate(plan) if target is None]
         if samples:
             seqs = [plan[i][1] for i in samples]
+            grammars = [s.grammar for s in seqs]
             meta = SamplingMetadata([s.params for s in seqs], [s.token_ids for s in seqs],
-                                    [s.num_prompt_tokens for s in seqs], [s.generator for s in seqs])
+                                    [s.num_prompt_tokens for s in seqs], [s.generator for s in seqs],
+                                    grammars if any(grammars) else None)
             for seq, result in zip(seqs, self.sampler(_rows(logits, samples), meta)):
                 seq.token_ids.append(result.token_id)
+                if seq.grammar is not None:
+                    seq.grammar.accept(result.token_id)
                 out.sampled[seq.seq_id] = result
         return out
 
 
 def _cached(new: NewSequence) -> CachedSequence:
     return CachedSequence(new.seq_id, list(new.token_ids), new.num_prompt_tokens, new.params,
-                          _make_generator(new.params.seed, new.index), [])
+                          _make_generator(new.params.seed, new.index), [],
+                          grammar=GrammarState(new.grammar) if new.grammar is not None else None)
 
 
 def _logit_plan(rows: list[Row]) -> list[LogitRow]:
