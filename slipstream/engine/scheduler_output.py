@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from slipstream.structured.grammars import CompiledGrammar
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NewSequence:
     """A sequence the runner has not seen: its tokens so far and how to sample it."""
 
@@ -29,7 +29,7 @@ class NewSequence:
     grammar: CompiledGrammar | None = None  # structured outputs: compiled, immutable, shared by the request's samples
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSequence:
     seq_id: int
     num_new_tokens: int       # tokens whose K/V this step computes
