@@ -26,12 +26,13 @@ class InputProcessor:
             self.check_token_ids(list(getattr(params, name) or []), name)
         return text, token_ids, self._resolve_max_tokens(params, len(token_ids))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation through the model's chat template."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation through the model's chat template (`tools` for templates that take them)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use a plain prompt")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template is code run on the user's messages
             raise ValueError(f"messages could not be rendered with the chat template: {e}") from e

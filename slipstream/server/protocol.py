@@ -12,6 +12,9 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
+from slipstream.server.response_format import ResponseFormat
+from slipstream.server.tools import NamedToolChoice, Tool, ToolCall
+
 
 def _valid_unicode(value: str) -> str:
     try:
@@ -57,6 +60,13 @@ class SamplingFields(_Request):
     cache_salt: Text | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's extra: sample only among these
+    # structured outputs (server/response_format.py): at most one of these
+    response_format: ResponseFormat | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: dict | None = None
 
 
 TokenIds = list[int]
@@ -78,6 +88,8 @@ class ChatMessage(_Request):
     role: Text
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's past calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -85,6 +97,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
+    # tool calling (server/tools.py)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Request):
@@ -150,7 +166,12 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -174,6 +195,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # server/tool_deltas.py
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

@@ -29,6 +29,10 @@ from slipstream.outputs import CompletionOutput, Logprob, RequestOutput, TokenLo
 from slipstream.sampling_params import SamplingParams
 from slipstream.server import protocol as p
 from slipstream.server.errors import APIError, error_body
+from slipstream.server.response_format import renamed, structured_outputs
+from slipstream.server.tool_deltas import ToolCallStream
+from slipstream.server.tools import ToolPlan, render_history, tool_plan
+from slipstream.structured.params import StructuredOutputsParams
 
 Prompt = str | list[int]
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -53,13 +57,20 @@ class OpenAIServing:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = _completion_prompts(req.prompt)
         echo_logprobs = req.logprobs if req.echo else None
-        params = self._params(req, default_max_tokens=16, logprobs=req.logprobs, prompt_logprobs=echo_logprobs)
+        scoring = bool(req.echo) and 0 in (req.max_tokens, req.max_completion_tokens)
+        if scoring:  # score the prompt only (vLLM's echo with max_tokens=0): sample one token, send none
+            req = req.model_copy(update={"max_tokens": 1, "max_completion_tokens": None})
+        structured, field = structured_outputs(req)
+        params = self._params(req, default_max_tokens=16, logprobs=req.logprobs, prompt_logprobs=echo_logprobs,
+                              structured=structured)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream, ids = await self._start(request_id, prompts, params, req.cache_salt)
+        stream, ids = await self._start(request_id, prompts, params, req.cache_salt, field)
         if req.stream:
-            events = self._completion_events(request_id, stream, ids, req, params)
+            events = self._completion_events(request_id, stream, ids, req, params, scoring)
             return _sse(stream, events, _include_usage(req))
         finals = await _collect(stream, raw)
+        if scoring:
+            finals = {r: _prompt_only(out) for r, out in finals.items()}
         choices = []
         for i, request in enumerate(ids):
             out = finals[request]
@@ -70,11 +81,13 @@ class OpenAIServing:
                                           usage=_usage(finals.values())))
 
     async def _completion_events(self, request_id: str, stream: OutputStream, ids: list[str],
-                                 req: p.CompletionRequest, params: SamplingParams) -> AsyncIterator[BaseModel]:
+                                 req: p.CompletionRequest, params: SamplingParams,
+                                 scoring: bool = False) -> AsyncIterator[BaseModel]:
         created, index = int(time.time()), {r: i for i, r in enumerate(ids)}
         choices: dict[tuple[int, int], _ChoiceStream] = {}
         finals: dict[str, RequestOutput] = {}
         async for out in stream:
+            out = _prompt_only(out) if scoring else out
             i = index[out.request_id]
             for o in out.outputs:
                 choice = choices.setdefault((i, o.index), _ChoiceStream(holdback=_holdback(params)))
@@ -129,23 +142,36 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._params(req, default_max_tokens=None, logprobs=num_logprobs)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt is not False)
+        plan = tool_plan(req, getattr(self.tokenizer, "chat_template", None))
+        structured, field = self._chat_structured(req, plan)
+        params = self._params(req, default_max_tokens=None, logprobs=num_logprobs, structured=structured)
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt is not False, plan)
         if params.max_tokens is None:
             params = self._with_max_tokens(params, self._room_after(prompt))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream, ids = await self._start(request_id, [prompt], params, req.cache_salt)
+        stream, ids = await self._start(request_id, [prompt], params, req.cache_salt, field)
         if req.stream:
-            return _sse(stream, self._chat_events(request_id, stream, req, params), _include_usage(req))
+            return _sse(stream, self._chat_events(request_id, stream, req, params, plan), _include_usage(req))
         out = (await _collect(stream, raw))[ids[0]]
-        choices = [p.ChatChoice(index=o.index, message=p.ChatResponseMessage(content=o.text),
-                                logprobs=self._chat_logprobs(o.token_ids, o.logprobs, num_logprobs),
-                                finish_reason=o.finish_reason) for o in out.outputs]
+        choices = [p.ChatChoice(index=o.index, logprobs=self._chat_logprobs(o.token_ids, o.logprobs, num_logprobs),
+                                **_reply(o.text, o.finish_reason, plan)) for o in out.outputs]
         return _json(p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                               usage=_usage([out])))
 
+    @staticmethod
+    def _chat_structured(req: p.ChatCompletionRequest, plan: ToolPlan | None):
+        """The output constraint: the request's structured-output field, or the grammar of forced tool calls."""
+        structured, field = structured_outputs(req)
+        calls = plan.grammar() if plan is not None else None
+        if calls is None:
+            return structured, field
+        if structured is not None:
+            raise APIError(400, f"{field} and tool_choice={plan.choice!r} both constrain the output; use one",
+                           param=field)
+        return StructuredOutputsParams(**calls), "tools"
+
     async def _chat_events(self, request_id: str, stream: OutputStream, req: p.ChatCompletionRequest,
-                           params: SamplingParams) -> AsyncIterator[BaseModel]:
+                           params: SamplingParams, plan: ToolPlan | None) -> AsyncIterator[BaseModel]:
         created = int(time.time())
 
         def chunk(choices, usage=None):
@@ -155,6 +181,7 @@ class OpenAIServing:
         for i in range(params.n):
             yield chunk([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
         choices = [_ChoiceStream(holdback=_holdback(params)) for _ in range(params.n)]
+        calls = [ToolCallStream(plan) if plan is not None else None for _ in range(params.n)]
         final = None
         async for out in stream:
             for o in out.outputs:
@@ -165,8 +192,17 @@ class OpenAIServing:
                 text, start, end = delta
                 logprobs = self._chat_logprobs(o.token_ids[start:end], (o.logprobs or [])[start:end], params.logprobs)
                 finish = o.finish_reason if choice.finished else None
-                yield chunk([p.ChatStreamChoice(index=o.index, delta=p.DeltaMessage(content=text), logprobs=logprobs,
-                                                finish_reason=finish)])
+                if calls[o.index] is None:
+                    yield chunk([p.ChatStreamChoice(index=o.index, delta=p.DeltaMessage(content=text),
+                                                    logprobs=logprobs, finish_reason=finish)])
+                    continue
+                content, tool_deltas = calls[o.index].feed(text, choice.finished)
+                for tool_delta in tool_deltas:
+                    yield chunk([p.ChatStreamChoice(index=o.index, delta=p.DeltaMessage(tool_calls=[tool_delta]))])
+                if content or logprobs or finish:
+                    finish = "tool_calls" if calls[o.index].calls and finish == "stop" else finish
+                    yield chunk([p.ChatStreamChoice(index=o.index, delta=p.DeltaMessage(content=content or None),
+                                                    logprobs=logprobs, finish_reason=finish)])
             final = out
         if _include_usage(req):
             yield chunk([], _usage([final]))
@@ -187,12 +223,16 @@ class OpenAIServing:
         token = self._token(token_id, {token_id: lp})
         return {"token": token, "logprob": _clamp(lp.logprob), "bytes": list(token.encode("utf-8", "replace"))}
 
-    def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation, rendered exactly as LLM.chat renders it."""
+    def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
+                    plan: ToolPlan | None = None) -> list[int]:
+        """Token ids of a conversation, rendered exactly as LLM.chat renders it (with tools: server/tools.py)."""
         if not messages:
             raise APIError(400, "messages is empty; it must contain at least one message", param="messages")
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        rendered = render_history([_message(i, m) for i, m in enumerate(messages)], plan, "tools" in template)
         try:
-            return self.processor.render_chat([_message(i, m) for i, m in enumerate(messages)], add_generation_prompt)
+            return self.processor.render_chat(rendered, add_generation_prompt,
+                                              tools=plan.template_tools() if plan is not None else None)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
 
@@ -248,7 +288,7 @@ class OpenAIServing:
         return self.tokenizer
 
     def _params(self, req: p.SamplingFields, default_max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
+                prompt_logprobs: int | None = None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
         max_tokens = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), default_max_tokens)
         optional = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -257,13 +297,17 @@ class OpenAIServing:
                         logit_bias=_token_keys(req.logit_bias), allowed_token_ids=req.allowed_token_ids)
         kwargs = {k: v for k, v in optional.items() if v is not None}
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kwargs)
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                  structured_outputs=structured, **kwargs)
         except ValueError as e:
             raise APIError.bad_request(e) from None
 
-    async def _start(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
-                     cache_salt: str | None) -> tuple[OutputStream, list[str]]:
-        """Queue every prompt, or none: an invalid one aborts those already queued."""
+    async def _start(self, request_id: str, prompts: list[Prompt], params: SamplingParams, cache_salt: str | None,
+                     structured_field: str | None = None) -> tuple[OutputStream, list[str]]:
+        """Queue every prompt, or none: an invalid one aborts those already queued.
+
+        The engine judges grammars; its complaint names `structured_field`, the field the client set.
+        """
         arrival = time.monotonic()
         stream = self.engine.open_stream()
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -272,7 +316,7 @@ class OpenAIServing:
                 await self.engine.add_request(engine_id, prompt, params, arrival, cache_salt, stream)
         except ValueError as e:
             stream.close()
-            raise APIError.bad_request(e, default_param="prompt") from None
+            raise renamed(e, structured_field) or APIError.bad_request(e, default_param="prompt") from None
         except BaseException:
             stream.close()
             raise
@@ -316,6 +360,22 @@ class _ChoiceStream:
         return text, start, self.sent_tokens
 
 
+def _reply(text: str, finish_reason: str | None, plan: ToolPlan | None) -> dict:
+    """A chat choice's message and finish_reason: tool calls where the reply parses as calls."""
+    calls = plan.parse(text) if plan is not None else None
+    if calls is None:
+        return {"message": p.ChatResponseMessage(content=text), "finish_reason": finish_reason}
+    return {"message": p.ChatResponseMessage(content=None, tool_calls=calls),
+            "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason}
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """`out` without its sampled token: echo with max_tokens=0 scores the prompt and generates nothing."""
+    empty = [dataclasses.replace(o, text="", token_ids=[], cumulative_logprob=None,
+                                 logprobs=[] if o.logprobs is not None else None) for o in out.outputs]
+    return dataclasses.replace(out, outputs=empty)
+
+
 def _holdback(params: SamplingParams) -> int:
     return max((len(s) for s in params.stop_list), default=1) - 1
 
@@ -342,6 +402,10 @@ def _message(index: int, m: p.ChatMessage) -> dict:
     message = {"role": m.role, "content": content or ""}
     if m.name is not None:
         message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
     return message
 
 

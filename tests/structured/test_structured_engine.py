@@ -13,33 +13,9 @@ import pytest
 
 from slipstream import LLM, SamplingParams
 from tests.conftest import random_prompts
+from tests.structured.schemas import CHOICES, REGEX, SCHEMA, check_schema_output
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "color": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-        "pet": {"type": "object", "properties": {"legs": {"type": "integer", "minimum": 0, "maximum": 8}},
-                "required": ["legs"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "color", "tags", "pet"],
-    "additionalProperties": False,
-}
-REGEX = r"[A-Z]{2}-\d{3}"
-CHOICES = ["alpha", "beta", "gamma delta"]
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16  # K+V, 2 layers, 2 KV heads, dim 16, fp32, 16 tokens
-
-
-def check_schema_output(text: str) -> None:
-    value = json.loads(text)
-    assert set(value) == set(SCHEMA["properties"]), text
-    assert 1 <= len(value["name"]) <= 6 and isinstance(value["name"], str)
-    assert isinstance(value["age"], int) and 0 <= value["age"] <= 120
-    assert value["color"] in SCHEMA["properties"]["color"]["enum"]
-    assert len(value["tags"]) <= 3 and all(isinstance(t, bool) for t in value["tags"])
-    assert set(value["pet"]) == {"legs"} and 0 <= value["pet"]["legs"] <= 8
 
 
 @pytest.fixture(scope="module")
