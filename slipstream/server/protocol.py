@@ -2,7 +2,8 @@
 
 Requests are checked here for types only; values (ranges, lengths, limits) are checked by
 SamplingParams and the engine, whose ValueErrors the server turns into 400s. Every field
-may be null, meaning "the default". Unknown fields are ignored, as vLLM does. Strings must
+may be null, meaning "the default". Undeclared fields are kept, and rejected by name unless
+server/fields.py lists them as accepted and ignored. Strings must
 be valid Unicode (no lone surrogates: they cannot be tokenized or sent back as UTF-8).
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -56,10 +57,12 @@ class SamplingFields(_Request):
     min_tokens: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: Text | None = None  # accepted, ignored
+    user: Text | None = None  # accepted, ignored (server/fields.py)
     cache_salt: Text | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's extra: sample only among these
+    skip_special_tokens: bool | None = None  # vLLM's extra
+    include_stop_str_in_output: bool | None = None  # vLLM's extra
     # structured outputs (server/response_format.py): at most one of these
     response_format: ResponseFormat | None = None
     guided_json: dict | Text | None = None

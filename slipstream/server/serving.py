@@ -29,6 +29,7 @@ from slipstream.outputs import CompletionOutput, Logprob, RequestOutput, TokenLo
 from slipstream.sampling_params import SamplingParams
 from slipstream.server import protocol as p
 from slipstream.server.errors import APIError, error_body
+from slipstream.server.fields import check_fields
 from slipstream.server.response_format import renamed, structured_outputs
 from slipstream.server.tool_deltas import ToolCallStream
 from slipstream.server.tools import ToolPlan, render_history, tool_plan
@@ -52,6 +53,7 @@ class OpenAIServing:
 
     # --- /v1/completions ---------------------------------------------------------------
     async def completion(self, req: p.CompletionRequest, raw: Request) -> Response:
+        check_fields(req)
         self._check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -138,6 +140,7 @@ class OpenAIServing:
 
     # --- /v1/chat/completions ----------------------------------------------------------
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
+        check_fields(req)
         self._check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
@@ -238,6 +241,7 @@ class OpenAIServing:
 
     # --- /tokenize, /detokenize, /v1/models --------------------------------------------
     def tokenize(self, req: p.TokenizeRequest) -> dict:
+        check_fields(req)
         self._check_model(req.model)
         tokenizer = self._require_tokenizer()
         if (req.prompt is None) == (req.messages is None):
@@ -249,6 +253,7 @@ class OpenAIServing:
         return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
 
     def detokenize(self, req: p.DetokenizeRequest) -> dict:
+        check_fields(req)
         self._check_model(req.model)
         tokenizer = self._require_tokenizer()
         self._check_token_ids(req.tokens, "tokens")
@@ -294,7 +299,9 @@ class OpenAIServing:
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, seed=req.seed,
                         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                        logit_bias=_token_keys(req.logit_bias), allowed_token_ids=req.allowed_token_ids)
+                        logit_bias=_token_keys(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
+                        skip_special_tokens=req.skip_special_tokens,
+                        include_stop_str_in_output=req.include_stop_str_in_output)
         kwargs = {k: v for k, v in optional.items() if v is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,

@@ -35,7 +35,7 @@ GENERIC_PROMPT = (
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # undeclared fields are rejected by server/fields.py
 
 
 class FunctionDefinition(_Model):
