@@ -105,3 +105,29 @@ def test_invalid_specs_are_rejected_at_add_request(llm):
         with pytest.raises(ValueError, match=named):
             llm.generate([[1, 2]], sampled(spec), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_every_sampling_parameter_composes_with_the_grammar(llm):
+    params = sampled({"json": SCHEMA}, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.3,
+                     presence_penalty=0.5, frequency_penalty=0.5, logit_bias={90: 5.0, 11: -5.0}, min_tokens=200,
+                     max_tokens=200, seed=4, logprobs=2)
+    out = llm.generate([[21, 22, 23]], params, use_tqdm=False)[0].outputs[0]
+    # past the grammar's end only stop tokens fit; min_tokens may hold the sequence open on them, and they decode to ''
+    check_schema_output(out.text)
+    assert len(out.logprobs) == len(out.token_ids)
+
+
+@pytest.mark.parametrize("engine_kwargs", [{"max_num_batched_tokens": 7}, {"kv_cache_dtype": "tq4"}],
+                         ids=["chunked-prefill", "turboquant"])
+def test_chunked_prefill_prefix_hits_and_turboquant(tiny_with_tokenizer, llm, engine_kwargs):
+    prompts = random_prompts(3, 20, 40, seed=8, vocab=49152)
+    params = [sampled({"json": SCHEMA}, seed=i) for i in range(len(prompts))]
+    other = LLM(tiny_with_tokenizer, dtype="float32", **engine_kwargs)
+    for _ in range(2):  # the second pass hits the prefix cache
+        outs = other.generate(prompts, params, use_tqdm=False)
+        for out in outs:
+            check_schema_output(out.outputs[0].text)
+    assert other.stats()["prefix_cache_hits"] > 0
+    if "max_num_batched_tokens" in engine_kwargs:  # float32 caches: the same tokens as unchunked
+        assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in llm.generate(prompts, params,
+                                                                                               use_tqdm=False)]
