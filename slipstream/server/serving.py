@@ -32,7 +32,7 @@ from slipstream.server.errors import APIError, error_body
 from slipstream.server.fields import check_fields
 from slipstream.server.response_format import renamed, structured_outputs
 from slipstream.server.tool_deltas import ToolCallStream
-from slipstream.server.tools import ToolPlan, render_history, tool_plan
+from slipstream.server.tools import ToolPlan, output_constraint, render_history, renders_tools, tool_plan
 from slipstream.structured.params import StructuredOutputsParams
 
 Prompt = str | list[int]
@@ -146,7 +146,7 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         plan = tool_plan(req, getattr(self.tokenizer, "chat_template", None))
-        structured, field = self._chat_structured(req, plan)
+        structured, field = output_constraint(req, plan)
         params = self._params(req, default_max_tokens=None, logprobs=num_logprobs, structured=structured)
         prompt = self.chat_prompt(req.messages, req.add_generation_prompt is not False, plan)
         if params.max_tokens is None:
@@ -160,18 +160,6 @@ class OpenAIServing:
                                 **_reply(o.text, o.finish_reason, plan)) for o in out.outputs]
         return _json(p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                               usage=_usage([out])))
-
-    @staticmethod
-    def _chat_structured(req: p.ChatCompletionRequest, plan: ToolPlan | None):
-        """The output constraint: the request's structured-output field, or the grammar of forced tool calls."""
-        structured, field = structured_outputs(req)
-        calls = plan.grammar() if plan is not None else None
-        if calls is None:
-            return structured, field
-        if structured is not None:
-            raise APIError(400, f"{field} and tool_choice={plan.choice!r} both constrain the output; use one",
-                           param=field)
-        return StructuredOutputsParams(**calls), "tools"
 
     async def _chat_events(self, request_id: str, stream: OutputStream, req: p.ChatCompletionRequest,
                            params: SamplingParams, plan: ToolPlan | None) -> AsyncIterator[BaseModel]:
@@ -231,8 +219,8 @@ class OpenAIServing:
         """Token ids of a conversation, rendered exactly as LLM.chat renders it (with tools: server/tools.py)."""
         if not messages:
             raise APIError(400, "messages is empty; it must contain at least one message", param="messages")
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        rendered = render_history([_message(i, m) for i, m in enumerate(messages)], plan, "tools" in template)
+        native = renders_tools(getattr(self.tokenizer, "chat_template", None))
+        rendered = render_history([_message(i, m) for i, m in enumerate(messages)], plan, native)
         try:
             return self.processor.render_chat(rendered, add_generation_prompt,
                                               tools=plan.template_tools() if plan is not None else None)

@@ -25,6 +25,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from slipstream.server.errors import APIError
+from slipstream.server.response_format import structured_outputs
+from slipstream.structured.params import StructuredOutputsParams
 
 TAG = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)  # Hermes / Qwen style, which native templates ask for
 GENERIC_PROMPT = (
@@ -139,8 +141,24 @@ def tool_plan(fields, chat_template: str | None) -> ToolPlan | None:
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not among tools "
                             f"{names}", param="tool_choice")
-    native = bool(chat_template) and "tools" in chat_template
-    return ToolPlan(list(fields.tools), _choice_name(choice or "auto"), fields.parallel_tool_calls is not False, native)
+    return ToolPlan(list(fields.tools), _choice_name(choice or "auto"), fields.parallel_tool_calls is not False,
+                    renders_tools(chat_template))
+
+
+def renders_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template
+
+
+def output_constraint(req, plan: ToolPlan | None) -> tuple[StructuredOutputsParams | None, str | None]:
+    """A chat request's (spec, field): its structured-output field, or the grammar of forced tool calls."""
+    structured, field = structured_outputs(req)
+    calls = plan.grammar() if plan is not None else None
+    if calls is None:
+        return structured, field
+    if structured is not None:
+        raise APIError(400, f"{field} and tool_choice={plan.choice!r} both constrain the output; use one",
+                       param=field)
+    return StructuredOutputsParams(**calls), "tools"
 
 
 def render_history(messages: list[dict], plan: ToolPlan | None, native: bool) -> list[dict]:
