@@ -6,7 +6,7 @@ grammar is a ValueError at add_request. Compiling against the vocabulary (tens o
 schema on a 49k vocabulary, and the tokenizer view, ~0.5 s, on first use) runs on one worker
 thread and is cached per distinct spec: `submit` returns a Future at once, and the engine
 never waits for it while other sequences have work. xgrammar was chosen over llguidance by
-measurement (benchmarks/grammar_libraries.py; README, Structured outputs).
+measurement (benchmarks/grammar_libraries.py).
 
 Must never know sequences, the scheduler or logits: it hands out grammars.
 """
