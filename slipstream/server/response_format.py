@@ -38,7 +38,10 @@ class ResponseFormat(BaseModel):
 
 
 def structured_outputs(req) -> tuple[StructuredOutputsParams | None, str | None]:
-    """A request's (spec, the field it came from): response_format, guided_*, structured_outputs; or (None, None) when the output is free text."""
+    """A request's (spec, the field it came from), of response_format, guided_* and structured_outputs.
+
+    (None, None) when the output is free text.
+    """
     given = {name: spec for name, spec in _specs(req).items() if spec is not None}
     if len(given) > 1:
         raise APIError(400, f"{' and '.join(given)} each constrain the output; set at most one of them",

@@ -281,7 +281,8 @@ class OpenAIServing:
         return self.tokenizer
 
     def _params(self, req: p.SamplingFields, default_max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                prompt_logprobs: int | None = None,
+                structured: StructuredOutputsParams | None = None) -> SamplingParams:
         max_tokens = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), default_max_tokens)
         optional = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,

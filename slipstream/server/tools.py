@@ -126,7 +126,10 @@ class ToolPlan:
 
 
 def tool_plan(fields, chat_template: str | None) -> ToolPlan | None:
-    """What a chat request's tools, tool_choice and parallel_tool_calls ask for; None when there are none to offer (or tool_choice is 'none')."""
+    """What a chat request's tools, tool_choice and parallel_tool_calls ask for.
+
+    None when there are no tools to offer, or tool_choice is 'none'.
+    """
     choice = fields.tool_choice
     if not fields.tools:
         if choice not in (None, "none", "auto"):

@@ -45,7 +45,8 @@ def test_conflicting_defs_are_a_400():
 @pytest.mark.parametrize("text,names", [
     ('{"name": "a", "arguments": {"x": 1}}', ["a"]),
     ('[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {"y": 2}}]', ["a", "b"]),
-    ('<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>\n<tool_call>{"name": "a", "arguments": {}}', ["b", "a"]),
+    ('<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>\n<tool_call>{"name": "a", "arguments": {}}',
+     ["b", "a"]),
     ('{"name": "zzz", "arguments": {}}', None), ('{"name": "a", "arguments": "x"}', None),
     ("Sure, here it is.", None), ('{"name": "a", "arguments": {}} and more', None),
 ])
