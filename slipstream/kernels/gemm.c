@@ -1,23 +1,27 @@
-// y[M, N] = x[M, K] . W[N, K]^T for bf16 x and bf16 y: the GEMM of every Linear at decode
-// batch sizes. W is bf16 (`gemm_bf16`), int8 codes with one float32 scale per output column
-// (`gemm_int8`: half the bytes to stream), or 4-bit codes in groups of 32 along K with a scale
-// and a minimum per group and column (`gemm_int4`: a quarter). Each format has its own inner
-// loop, below; what they share: W packed once in blocks of 16 output columns, register tiles
-// of a few rows by 16-64 columns whose sums stay in registers over K, each thread an equal share
-// of the columns.
+// y[M, N] = x[M, K] . W[N, K]^T for bf16 x and bf16 y: the GEMM of every Linear below the
+// sizes where a library GEMM takes over. W is bf16 (`gemm_bf16`), int8 codes with one float32
+// scale per output column (`gemm_int8`: half the bytes to stream), or 4-bit codes in groups of
+// 32 along K with a scale and a minimum per group and column (`gemm_int4`: a quarter). Each
+// format has an AVX-512 inner loop and, on CPUs with AMX, a tile version (`gemm_*_amx`, at the
+// end) that reads the same packed W; layers/linear.py decides which serves how many rows. What
+// they share: W packed once in blocks of 16 output columns, sums that stay in registers or
+// tiles over K, each thread an equal share of the columns.
 //
 // On CPUs without AMX, oneDNN's bf16 kernel and a vdpbf16ps kernel both top out near 75
 // GFLOP/s per core, while float32 FMAs reach 110-120: so W stays bf16 in memory (half the
 // bytes to stream) and is widened to float32 in registers, x is widened once per call.
-// bf16 W is packed once (layers/linear.py) as [N/16][K][16]: each K step of 16 output columns
-// is one 32-byte load. A tile of MR rows x 64 columns keeps its 4*MR sums in registers over
-// the whole K loop; each thread streams its share of W's columns once per MR rows (from cache
-// after the first).
+// bf16 W is packed once (layers/linear.py) as [N/16][K/2][16][2]: each pair of K steps of 16
+// output columns is one 64-byte load, and the layout of AMX's B tiles (16 pairs of K steps x
+// 16 columns). A shift (even K step) or a mask (odd) widens it to float32. A tile of MR rows x
+// 64 columns keeps its 4*MR sums in registers over the whole K loop; each thread streams its
+// share of W's columns once per MR rows (from cache after the first).
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -26,7 +30,16 @@
 #define MR 6
 #define NR 4  // 16-column blocks per tile
 
-static inline __m512 widen(const uint16_t *bf16) {  // 16 bf16 -> float32: the bits move to the top half
+// 16 columns' pair of bf16 K steps -> the even (first) or odd step as float32
+static inline __m512 even_step(const uint16_t *pairs) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(pairs), 16));
+}
+
+static inline __m512 odd_step(const uint16_t *pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(pairs), _mm512_set1_epi32((int)0xFFFF0000)));
+}
+
+static inline __m512 widen16(const uint16_t *bf16) {  // 16 consecutive bf16 -> float32
     __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bf16));
     return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
 }
@@ -43,11 +56,16 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
     __m512 acc[MR][NR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk++) {
+    for (int64_t p = 0; p < k / 2; p++) {  // K steps in order, as the sums were always taken
         __m512 b[NR];
-        for (int j = 0; j < nr; j++) b[j] = widen(w + (j * k + kk) * 16);
+        for (int j = 0; j < nr; j++) b[j] = even_step(w + (j * k / 2 + p) * 32);
         for (int i = 0; i < mr; i++) {
-            __m512 a = _mm512_set1_ps(x[i * k + kk]);
+            __m512 a = _mm512_set1_ps(x[i * k + 2 * p]);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+        }
+        for (int j = 0; j < nr; j++) b[j] = odd_step(w + (j * k / 2 + p) * 32);
+        for (int i = 0; i < mr; i++) {
+            __m512 a = _mm512_set1_ps(x[i * k + 2 * p + 1]);
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
         }
     }
@@ -97,10 +115,10 @@ static float *widened_rows(const uint16_t *x, int64_t count) {
 
 int gemm_bf16_available(void) { return 1; }
 
-// Returns 0, or -1 when N is not a multiple of 16 or memory runs out.
+// Returns 0, or -1 when N is not a multiple of 16, K is odd or memory runs out.
 int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
               int threads) {
-    float *xf = n % 16 ? NULL : widened_rows(x, m * k);
+    float *xf = n % 16 || k % 2 ? NULL : widened_rows(x, m * k);
     if (!xf) return -1;
 #pragma omp parallel num_threads(threads)
     {
@@ -118,9 +136,11 @@ int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t 
 // 32767: an error below 1/65534 of the row's largest value, far under bf16's own rounding of
 // x), and `vpdpwssd` multiplies pairs of 16-bit activations and sign-extended codes into
 // int32 sums: two ops per 32 multiply-adds, where widening codes to float32 took six. Codes
-// are packed [N/16][K/2][16 columns][2]: a pair of K steps per column, 32 bytes per pair step.
-// The int32 sums move to float32 every INT8_FLUSH pair steps, before they could overflow
-// (128 * 2 * 32767 * 127 < 2^31).
+// are packed [N/16][K/4][16 columns][4]: four K steps per column in the order k0 k2 k1 k3, 64
+// bytes per quad step. Shifting each 16-bit half left and back (arithmetic) gives the
+// sign-extended pair (k0, k1), shifting it right gives (k2, k3); the same bytes are AMX's
+// int8 B tiles (the tile kernel permutes x's bytes alike). The int32 sums move to float32
+// every INT8_FLUSH pair steps, before they could overflow (128 * 2 * 32767 * 127 < 2^31).
 #define INT8_FLUSH 128
 
 #if defined(__AVX512VNNI__)
@@ -129,14 +149,24 @@ static inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) { return _mm5
 static inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 #endif
 
+// x / row_scale rounded to nearest even, 16 values at a time (as lrintf rounds one); the scalar
+// loop this replaced (fmaxf, lrintf) cost ~6 ns per value, the whole GEMM at 16 columns.
 static int16_t *fixed_point_rows(const uint16_t *x, int64_t m, int64_t k, float *row_scale) {
     int16_t *xq = malloc(sizeof(int16_t) * m * k);
     for (int64_t i = 0; xq && i < m; i++) {
-        float largest = 0.f;
-        for (int64_t c = 0; c < k; c++) largest = fmaxf(largest, fabsf(bf16_to_float(x[i * k + c])));
-        row_scale[i] = largest > 0.f ? largest / 32767.f : 1.f;
+        const uint16_t *row = x + i * k;
+        __m512 largest = _mm512_setzero_ps();
+        int64_t c = 0;
+        for (; c + 16 <= k; c += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(widen16(row + c)));
+        float top = _mm512_reduce_max_ps(largest);
+        for (; c < k; c++) top = fmaxf(top, fabsf(bf16_to_float(row[c])));
+        row_scale[i] = top > 0.f ? top / 32767.f : 1.f;
         float inverse = 1.f / row_scale[i];
-        for (int64_t c = 0; c < k; c++) xq[i * k + c] = (int16_t)lrintf(bf16_to_float(x[i * k + c]) * inverse);
+        for (c = 0; c + 16 <= k; c += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(row + c), _mm512_set1_ps(inverse)));
+            _mm256_storeu_si256((__m256i *)(xq + i * k + c), _mm512_cvtepi32_epi16(q));
+        }
+        for (; c < k; c++) xq[i * k + c] = (int16_t)lrintf(bf16_to_float(row[c]) * inverse);
     }
     return xq;
 }
@@ -152,17 +182,20 @@ static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, c
         __m512i acc[MR][NR];
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_si512();
-        for (int64_t p = first; p < last; p++) {
-            __m512i b[NR];
-            for (int j = 0; j < nr; j++)
-                b[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + (j * k / 2 + p) * 32)));
-            for (int i = 0; i < mr; i++) {
-                int32_t pair;
-                __builtin_memcpy(&pair, xq + i * k + 2 * p, sizeof pair);
-                __m512i a = _mm512_set1_epi32(pair);
-                for (int j = 0; j < nr; j++) acc[i][j] = dot_int16(acc[i][j], a, b[j]);
+        for (int64_t q = first / 2; q < last / 2; q++)
+            for (int half = 0; half < 2; half++) {  // pair steps 2q and 2q + 1, in order
+                __m512i b[NR];
+                for (int j = 0; j < nr; j++) {
+                    __m512i quads = _mm512_loadu_si512(w + (j * k / 4 + q) * 64);
+                    b[j] = half ? _mm512_srai_epi16(quads, 8) : _mm512_srai_epi16(_mm512_slli_epi16(quads, 8), 8);
+                }
+                for (int i = 0; i < mr; i++) {
+                    int32_t pair;
+                    __builtin_memcpy(&pair, xq + i * k + 4 * q + 2 * half, sizeof pair);
+                    __m512i a = _mm512_set1_epi32(pair);
+                    for (int j = 0; j < nr; j++) acc[i][j] = dot_int16(acc[i][j], a, b[j]);
+                }
             }
-        }
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nr; j++) total[i][j] = _mm512_add_ps(total[i][j], _mm512_cvtepi32_ps(acc[i][j]));
     }
@@ -195,10 +228,10 @@ static inline __attribute__((always_inline)) void column_tile_int8(const int16_t
     }
 }
 
-// Returns 0, or -1 when N % 16 or K % 2 is not zero or memory runs out.
+// Returns 0, or -1 when N % 16 or K % 4 is not zero or memory runs out.
 int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
               int64_t k, int threads) {
-    float *row_scale = n % 16 || k % 2 ? NULL : malloc(sizeof(float) * m);
+    float *row_scale = n % 16 || k % 4 ? NULL : malloc(sizeof(float) * m);
     int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
     if (!xq) {
         free(row_scale);
@@ -315,6 +348,273 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
     free(row_scale);
     return 0;
 }
+// --- AMX tiles ------------------------------------------------------------------------------
+// The same products on AMX's tile unit, for the row counts where it wins (layers/linear.py):
+// one `tdpbf16ps` multiplies a tile of 16 rows x 32 K steps of x by 32 K steps x 16 columns of
+// W into 16 x 16 float32 sums, 16 times the multiply-adds of an AVX-512 FMA. Sums stay in tiles
+// over the whole K loop, a block of up to 32 rows x 32 columns at a time: tmm0-3 hold the sums,
+// tmm4-5 x, tmm6-7 W. Each thread takes its share of W's columns, a panel of two 16-column
+// blocks at a time, and runs every row block over the panel while it is in cache.
+// - bf16: W's packed pairs are B tiles as they lie (16 pair rows of 64 bytes per 32 K steps);
+//   float32 sums like the FMA loop's, in another order.
+// - int8: x in 16-bit fixed point as for `gemm_int8`, split into a signed high byte and an
+//   unsigned low byte (xq = 256 hi + lo, the bytes of each quad permuted as the codes are);
+//   `tdpbssd` (hi) and `tdpbusd` (lo) against the codes give exact int32 sums, joined in float32
+//   once at the end. Two sums per block of 16 x 16, so a block is 16 rows x 32 columns.
+// - int4: a panel's codes are first widened to bf16 values (q * scale + low in float32,
+//   rounded to bf16 once: a relative error up to 2^-9 of each weight, under a tenth of its
+//   4-bit step) into a per-thread buffer in the bf16 pair layout, then multiplied as bf16.
+// K must be a multiple of 32 (bf16, int4) or 64 (int8); other shapes keep the loops above.
+#ifdef HAVE_AMX
+
+int gemm_amx_available(void) { return amx_ready(); }
+
+static inline int min_int(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
+
+// Rows of a 16 x 16 tile's float32 sums to bf16 y, times scale[col] when given.
+static void store_sums(const float *sums, int rows, uint16_t *y, int64_t n, const float *scale) {
+    __m512 s = scale ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.f);
+    for (int r = 0; r < rows; r++) store_bf16(y + r * n, _mm512_mul_ps(_mm512_loadu_ps(sums + 16 * r), s));
+}
+
+// bf16: x [rows][k] (top rows, then bottom <= 16 more) times one or two column blocks of bf16
+// pairs [k/2][16][2], rounded into y. row_tiles and cols are constants in each inlined call:
+// tile numbers must be.
+static inline __attribute__((always_inline)) void amx_bf16_tiles(const uint16_t *x, int64_t k, const uint16_t *w0,
+                                                                 const uint16_t *w1, int row_tiles, int cols, int top,
+                                                                 int bottom, const float *scale, uint16_t *y,
+                                                                 int64_t n) {
+    _tile_zero(0);
+    if (cols == 2) _tile_zero(1);
+    if (row_tiles == 2) _tile_zero(2);
+    if (row_tiles == 2 && cols == 2) _tile_zero(3);
+    for (int64_t s = 0; s < k / 32; s++) {
+        _tile_loadd(6, w0 + s * 512, 64);
+        if (cols == 2) _tile_loadd(7, w1 + s * 512, 64);
+        _tile_loadd(4, x + s * 32, k * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (cols == 2) _tile_dpbf16ps(1, 4, 7);
+        if (row_tiles == 2) {
+            _tile_loadd(5, x + 16 * k + s * 32, k * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (cols == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float sums[4][256] __attribute__((aligned(64)));
+    _tile_stored(0, sums[0], 64);
+    if (cols == 2) _tile_stored(1, sums[1], 64);
+    if (row_tiles == 2) _tile_stored(2, sums[2], 64);
+    if (row_tiles == 2 && cols == 2) _tile_stored(3, sums[3], 64);
+    for (int c = 0; c < cols; c++) {
+        store_sums(sums[c], top, y + 16 * c, n, scale ? scale + 16 * c : NULL);
+        if (row_tiles == 2) store_sums(sums[2 + c], bottom, y + 16 * n + 16 * c, n, scale ? scale + 16 * c : NULL);
+    }
+}
+
+// One block of up to 32 rows x 32 columns into y.
+static void amx_bf16_block(const uint16_t *x, int rows, int64_t k, const uint16_t *w0, const uint16_t *w1, int cols,
+                           const float *scale, uint16_t *y, int64_t n, TileConfig *config) {
+    int top = rows < 16 ? rows : 16, bottom = rows - top;
+    uint8_t shape[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
+    configure_tiles(shape, config);
+    if (bottom && cols == 2) amx_bf16_tiles(x, k, w0, w1, 2, 2, top, bottom, scale, y, n);
+    else if (bottom) amx_bf16_tiles(x, k, w0, w1, 2, 1, top, bottom, scale, y, n);
+    else if (cols == 2) amx_bf16_tiles(x, k, w0, w1, 1, 2, top, bottom, scale, y, n);
+    else amx_bf16_tiles(x, k, w0, w1, 1, 1, top, bottom, scale, y, n);
+}
+
+// Every row block of x over one panel of W (bf16 pairs, column blocks w0 and w1).
+static void amx_bf16_panel(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w0, const uint16_t *w1, int cols,
+                           uint16_t *y, int64_t n, TileConfig *config) {
+    for (int64_t i = 0; i < m; i += 32)
+        amx_bf16_block(x + i * k, min_int(32, m - i), k, w0, w1, cols, NULL, y + i * n, n, config);
+}
+
+// Returns 0, or -1 when N % 16 or K % 32 is not zero or AMX is unavailable.
+int gemm_bf16_amx(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    if (n % 16 || k % 32 || !amx_ready()) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        TileConfig config = {0};
+        int64_t begin, end;
+        thread_blocks(n / 16, &begin, &end);
+        for (int64_t b = begin; b < end; b += 2) {
+            const uint16_t *w0 = w_packed + b * 16 * k;
+            amx_bf16_panel(x, m, k, w0, w0 + 16 * k, end - b < 2 ? 1 : 2, y + b * 16, n, &config);
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+// (256 hi + lo) * scale[col] * row_scale[r] for the rows of a 16-column block, to bf16 y.
+static void store_split_sums(const int32_t *hi, const int32_t *lo, int rows, const float *row_scale,
+                             const float *scale, uint16_t *y, int64_t n) {
+    __m512 s = _mm512_loadu_ps(scale);
+    for (int r = 0; r < rows; r++) {
+        __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(hi + 16 * r)), _mm512_set1_ps(256.f),
+                                       _mm512_cvtepi32_ps(_mm512_loadu_si512(lo + 16 * r)));
+        store_bf16(y + r * n, _mm512_mul_ps(total, _mm512_mul_ps(s, _mm512_set1_ps(row_scale[r]))));
+    }
+}
+
+// int8: one row tile (rows <= 16) of split bytes [rows][k] times one or two column blocks of codes.
+static inline __attribute__((always_inline)) void amx_int8_tiles(const int8_t *hi, const uint8_t *lo, int64_t k,
+                                                                 const int8_t *w0, const int8_t *w1, int cols, int rows,
+                                                                 const float *row_scale, const float *scale,
+                                                                 uint16_t *y, int64_t n) {
+    _tile_zero(0);
+    _tile_zero(2);
+    if (cols == 2) {
+        _tile_zero(1);
+        _tile_zero(3);
+    }
+    for (int64_t s = 0; s < k / 64; s++) {
+        _tile_loadd(6, w0 + s * 1024, 64);
+        if (cols == 2) _tile_loadd(7, w1 + s * 1024, 64);
+        _tile_loadd(4, hi + s * 64, k);
+        _tile_loadd(5, lo + s * 64, k);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+        if (cols == 2) {
+            _tile_dpbssd(1, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    int32_t sums[4][256] __attribute__((aligned(64)));
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(2, sums[2], 64);
+    if (cols == 2) {
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(3, sums[3], 64);
+    }
+    for (int c = 0; c < cols; c++) store_split_sums(sums[c], sums[2 + c], rows, row_scale, scale + 16 * c, y + 16 * c, n);
+}
+
+static void amx_int8_block(const int8_t *hi, const uint8_t *lo, const float *row_scale, int rows, int64_t k,
+                           const int8_t *w0, const int8_t *w1, const float *scale, int cols, uint16_t *y, int64_t n,
+                           TileConfig *config) {
+    uint8_t shape[8] = {rows, rows, rows, rows, rows, rows, 16, 16};
+    configure_tiles(shape, config);
+    if (cols == 2) amx_int8_tiles(hi, lo, k, w0, w1, 2, rows, row_scale, scale, y, n);
+    else amx_int8_tiles(hi, lo, k, w0, w1, 1, rows, row_scale, scale, y, n);
+}
+
+// Fixed-point rows as signed high and unsigned low bytes, each quad of K steps in the codes'
+// order k0 k2 k1 k3; count is a multiple of 64 (K is).
+static void split_bytes(const int16_t *xq, int64_t count, int8_t *hi, uint8_t *lo) {
+    static const uint16_t quads[32] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                       16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
+    const __m512i order = _mm512_loadu_si512(quads);
+    for (int64_t i = 0; i < count; i += 32) {
+        __m512i v = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(xq + i));
+        _mm256_storeu_si256((__m256i *)(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+        _mm256_storeu_si256((__m256i *)(lo + i), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xFF))));
+    }
+}
+
+// Returns 0, or -1 when N % 16 or K % 64 is not zero, AMX is unavailable or memory runs out.
+int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
+                  int64_t k, int threads) {
+    if (n % 16 || k % 64 || !amx_ready()) return -1;
+    float *row_scale = malloc(sizeof(float) * m);
+    int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
+    int8_t *hi = xq ? malloc(2 * m * k) : NULL;
+    if (!hi) {
+        free(xq);
+        free(row_scale);
+        return -1;
+    }
+    uint8_t *lo = (uint8_t *)hi + m * k;
+    split_bytes(xq, m * k, hi, lo);
+#pragma omp parallel num_threads(threads)
+    {
+        TileConfig config = {0};
+        int64_t begin, end;
+        thread_blocks(n / 16, &begin, &end);
+        for (int64_t b = begin; b < end; b += 2) {
+            const int8_t *w0 = w_packed + b * 16 * k;
+            for (int64_t i = 0; i < m; i += 16)
+                amx_int8_block(hi + i * k, lo + i * k, row_scale + i, min_int(16, m - i), k, w0, w0 + 16 * k,
+                               scale + b * 16, end - b < 2 ? 1 : 2, y + i * n + b * 16, n, &config);
+        }
+        _tile_release();
+    }
+    free(hi);
+    free(xq);
+    free(row_scale);
+    return 0;
+}
+
+// int4: one column block's codes [k/8][16][4 bytes], scale and low [k/32][16] -> bf16 pairs
+// [k/2][16][2] of q * scale + low.
+static void widen_int4_block(const uint8_t *w, const float *scale, const float *low, int64_t k, uint16_t *out) {
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_loadu_si512(interleave), nibbles = _mm512_set1_epi32(0x000F000F);
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        __m512 s = _mm512_loadu_ps(scale + g * 16), m = _mm512_loadu_ps(low + g * 16);
+        for (int c = 0; c < GROUP / 8; c++) {
+            __m512i codes = _mm512_loadu_si512(w + (g * GROUP / 8 + c) * 64);
+            for (int t = 0; t < 4; t++) {  // K steps 2t and 2t + 1 of the dword, as for `tile_int4`
+                __m512i pair = _mm512_and_si512(_mm512_srli_epi32(codes, 4 * t), nibbles);
+                __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF))), s, m);
+                __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16)), s, m);
+                __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // even steps, then odd
+                _mm512_storeu_si512(out + ((g * GROUP / 8 + c) * 4 + t) * 32, _mm512_permutexvar_epi16(order, halves));
+            }
+        }
+    }
+}
+
+// Returns 0, or -1 when N % 16 or K % 32 is not zero, AMX is unavailable or memory runs out.
+int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                  int64_t m, int64_t n, int64_t k, int threads) {
+    if (n % 16 || k % GROUP || !amx_ready()) return -1;
+    int failed = 0;
+    int64_t groups = k / GROUP;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * 32 * k);
+        TileConfig config = {0};
+        int64_t begin, end;
+        thread_blocks(n / 16, &begin, &end);
+        for (int64_t b = begin; panel && b < end; b += 2) {
+            int cols = end - b < 2 ? 1 : 2;
+            for (int j = 0; j < cols; j++)
+                widen_int4_block(w_packed + (b + j) * 8 * k, scale + (b + j) * 16 * groups, low + (b + j) * 16 * groups, k,
+                                 panel + j * 16 * k);
+            amx_bf16_panel(x, m, k, panel, panel + 16 * k, cols, y + b * 16, n, &config);
+        }
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        _tile_release();
+        free(panel);
+    }
+    return failed ? -1 : 0;
+}
+#else
+int gemm_amx_available(void) { return 0; }
+
+// built without AMX: gemm_amx_available() tells callers to keep the loops above
+int gemm_bf16_amx(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    return -1;
+}
+
+int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
+                  int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                  int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+#endif
 #else
 int gemm_bf16_available(void) { return 0; }
 
@@ -331,6 +631,23 @@ int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uin
 
 int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
               int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_amx_available(void) { return 0; }
+
+int gemm_bf16_amx(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    return -1;
+}
+
+int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
+                  int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                  int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
 #endif

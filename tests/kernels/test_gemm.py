@@ -1,19 +1,51 @@
-"""The native small-batch bf16 GEMM (Linear after prepack_weights) against float32 products."""
+"""The native GEMMs (kernels/gemm.c: AVX-512 loops and AMX tiles, through Linear after
+prepack_weights and the int8 / int4 layers) against float32 products, and the policy that
+picks them (layers/linear.py's `native_kernel`).
+
+Every kernel the machine can run is tested: the AMX tiles where `amx_gemm_available()` says
+so, the AVX-512 loops wherever the native GEMM is built. Tolerances, per path:
+- bf16, both kernels: exact bf16 products, float32 sums in another order, one rounding to
+  bf16 (plus one for the bias);
+- int8, both kernels: 16-bit fixed-point activations (error under 1/65534 of a row's largest
+  value) times the codes in exact integer sums, one rounding to bf16;
+- int4: the AVX-512 loop as int8; the AMX kernel also rounds each dequantized weight to bf16
+  (relative error up to 2^-9 per weight).
+All of these stay within 1e-2 relative and absolute of the float32 product on these inputs.
+"""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.layers.linear import Linear, native_gemm_fits, prepack_weights
+from slipstream.layers import linear, quantization
+from slipstream.layers.linear import (AMX_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, Linear, amx_gemm_available,
+                                      native_gemm_fits, native_kernel, prepack_weights)
 from slipstream.layers.quantization import Int4Linear, Int8Linear
 
-pytestmark = pytest.mark.skipif(not native_gemm_fits(torch.empty(16, 2)), reason="native GEMM needs a compiler and AVX512-BF16")
+pytestmark = pytest.mark.skipif(not native_gemm_fits(torch.empty(16, 2)), reason="native GEMM needs a compiler and AVX-512")
+
+KERNELS = ["avx512"] + (["amx"] if amx_gemm_available() else [])
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 13, 32, 255])  # full 6-row tiles and every remainder
-@pytest.mark.parametrize("out_features,bias", [(192, False), (80, True)])  # 80: a last tile of 16 columns
-def test_native_gemm_equals_float32_product(rows, out_features, bias):
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+    """Every layer's GEMM on one kernel, whatever the policy would pick for its rows."""
+    chosen = request.param
+
+    def forced(fmt, rows, k):
+        if chosen == "amx" and k % linear.AMX_K_MULTIPLE[fmt]:
+            return "avx512"  # the AMX kernels tile these K only; the policy does the same
+        return chosen
+
+    monkeypatch.setattr(linear, "native_kernel", forced)
+    monkeypatch.setattr(quantization, "native_kernel", forced)
+    return chosen
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 16, 17, 32, 33, 255])  # AVX-512: 6-row tiles; AMX: 16-row tiles, 32-row blocks
+@pytest.mark.parametrize("out_features,bias", [(192, False), (80, True)])  # 80: a last block of 16 columns
+def test_native_gemm_equals_float32_product(kernel, rows, out_features, bias):
     torch.manual_seed(rows)
     layer = Linear(96, out_features, bias=bias).bfloat16()
     prepack_weights(layer)
@@ -23,7 +55,6 @@ def test_native_gemm_equals_float32_product(rows, out_features, bias):
     with torch.inference_mode():
         out = layer(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    # exact bf16 products, float32 sums in another order, one rounding to bf16 (plus one for the bias)
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
@@ -35,10 +66,10 @@ def test_shapes_the_kernel_cannot_tile_keep_onednn():
     torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9, 127])  # int8: 6-row tiles, int4: 4-row tiles and single rows
+@pytest.mark.parametrize("rows", [1, 4, 9, 16, 17, 127, 200])  # int8: 6-row tiles, int4: 4-row tiles and single rows
 @pytest.mark.parametrize("out_features", [64, 48])  # 48: a last tile narrower than the kernels' tiles
 @pytest.mark.parametrize("method", [Int8Linear, Int4Linear])
-def test_native_quantized_gemm_equals_the_dequantized_product(method, rows, out_features):
+def test_native_quantized_gemm_equals_the_dequantized_product(kernel, method, rows, out_features):
     torch.manual_seed(rows)
     layer = method(Linear(128, out_features, bias=False).bfloat16())
     assert layer.packed is not None
@@ -50,10 +81,10 @@ def test_native_quantized_gemm_equals_the_dequantized_product(method, rows, out_
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 7, 40])
 @pytest.mark.parametrize("method", [None, Int8Linear, Int4Linear])
-def test_every_thread_count_computes_the_same_columns(method, rows):
-    # 176 columns = 11 blocks of 16: uneven shares and narrow last tiles for 2 and 3 threads
+def test_every_thread_count_computes_the_same_columns(kernel, method, rows):
+    # 176 columns = 11 blocks of 16: uneven shares and narrow last tiles or panels for 2 and 3 threads
     torch.manual_seed(rows)
     layer = Linear(128, 176, bias=False).bfloat16()
     if method is None:
@@ -73,3 +104,23 @@ def test_every_thread_count_computes_the_same_columns(method, rows):
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
     reference = F.linear(x.float(), layer.weight.float() if method is None else layer.dequantized(torch.float32))
     torch.testing.assert_close(outputs[0].float(), reference, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_policy_per_capability(monkeypatch, amx):
+    """Without AMX, the measured policy of the AVX-512 machines; with it, the tiles from
+    AMX_MIN_ROWS rows of any size, for the K they tile (int8: multiples of 64, else 32)."""
+    monkeypatch.setattr(linear, "amx_gemm_available", lambda: amx)
+    for fmt, largest in (("bf16", NATIVE_MAX_ROWS), ("int8", UPCAST_MIN_ROWS), ("int4", UPCAST_MIN_ROWS)):
+        below, tiled = AMX_MIN_ROWS[fmt] - 1, AMX_MIN_ROWS[fmt]
+        assert native_kernel(fmt, 1, 576) == native_kernel(fmt, below, 576) == "avx512"
+        assert native_kernel(fmt, tiled, 576) == ("amx" if amx else "avx512")
+        assert native_kernel(fmt, largest - 1, 576) == ("amx" if amx else "avx512")
+        assert native_kernel(fmt, largest, 576) == native_kernel(fmt, 4096, 576) == ("amx" if amx else None)
+    assert native_kernel("int8", 64, 96) == native_kernel("bf16", 64, 80) == "avx512"  # K the tiles do not take
+    assert native_kernel("int8", 64, 128) == native_kernel("int4", 64, 96) == ("amx" if amx else "avx512")
+
+
+def test_amx_availability_is_a_question_not_an_assumption(monkeypatch):
+    monkeypatch.setattr(linear.kernels, "ENABLED", False)  # SLIPSTREAM_NATIVE=0
+    assert not amx_gemm_available()
