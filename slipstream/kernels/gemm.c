@@ -371,63 +371,21 @@ int gemm_amx_available(void) { return amx_ready(); }
 
 static inline int min_int(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
 
-// Rows of a 16 x 16 tile's float32 sums to bf16 y, times scale[col] when given.
-static void store_sums(const float *sums, int rows, uint16_t *y, int64_t n, const float *scale) {
-    __m512 s = scale ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.f);
-    for (int r = 0; r < rows; r++) store_bf16(y + r * n, _mm512_mul_ps(_mm512_loadu_ps(sums + 16 * r), s));
-}
-
-// bf16: x [rows][k] (top rows, then bottom <= 16 more) times one or two column blocks of bf16
-// pairs [k/2][16][2], rounded into y. row_tiles and cols are constants in each inlined call:
-// tile numbers must be.
-static inline __attribute__((always_inline)) void amx_bf16_tiles(const uint16_t *x, int64_t k, const uint16_t *w0,
-                                                                 const uint16_t *w1, int row_tiles, int cols, int top,
-                                                                 int bottom, const float *scale, uint16_t *y,
-                                                                 int64_t n) {
-    _tile_zero(0);
-    if (cols == 2) _tile_zero(1);
-    if (row_tiles == 2) _tile_zero(2);
-    if (row_tiles == 2 && cols == 2) _tile_zero(3);
-    for (int64_t s = 0; s < k / 32; s++) {
-        _tile_loadd(6, w0 + s * 512, 64);
-        if (cols == 2) _tile_loadd(7, w1 + s * 512, 64);
-        _tile_loadd(4, x + s * 32, k * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        if (cols == 2) _tile_dpbf16ps(1, 4, 7);
-        if (row_tiles == 2) {
-            _tile_loadd(5, x + 16 * k + s * 32, k * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            if (cols == 2) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    float sums[4][256] __attribute__((aligned(64)));
-    _tile_stored(0, sums[0], 64);
-    if (cols == 2) _tile_stored(1, sums[1], 64);
-    if (row_tiles == 2) _tile_stored(2, sums[2], 64);
-    if (row_tiles == 2 && cols == 2) _tile_stored(3, sums[3], 64);
-    for (int c = 0; c < cols; c++) {
-        store_sums(sums[c], top, y + 16 * c, n, scale ? scale + 16 * c : NULL);
-        if (row_tiles == 2) store_sums(sums[2 + c], bottom, y + 16 * n + 16 * c, n, scale ? scale + 16 * c : NULL);
-    }
-}
-
 // One block of up to 32 rows x 32 columns into y.
 static void amx_bf16_block(const uint16_t *x, int rows, int64_t k, const uint16_t *w0, const uint16_t *w1, int cols,
-                           const float *scale, uint16_t *y, int64_t n, TileConfig *config) {
-    int top = rows < 16 ? rows : 16, bottom = rows - top;
-    uint8_t shape[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
-    configure_tiles(shape, config);
-    if (bottom && cols == 2) amx_bf16_tiles(x, k, w0, w1, 2, 2, top, bottom, scale, y, n);
-    else if (bottom) amx_bf16_tiles(x, k, w0, w1, 2, 1, top, bottom, scale, y, n);
-    else if (cols == 2) amx_bf16_tiles(x, k, w0, w1, 1, 2, top, bottom, scale, y, n);
-    else amx_bf16_tiles(x, k, w0, w1, 1, 1, top, bottom, scale, y, n);
+                           uint16_t *y, int64_t n, TileConfig *config) {
+    float sums[4][256] __attribute__((aligned(64)));
+    int top = amx_bf16_sums(x, k, rows, k, w0, w1, cols, config, sums);
+    for (int c = 0; c < cols; c++)
+        for (int r = 0; r < rows; r++)
+            store_bf16(y + r * n + 16 * c, _mm512_load_ps(sums[(r >= top) * 2 + c] + 16 * (r % 16)));
 }
 
 // Every row block of x over one panel of W (bf16 pairs, column blocks w0 and w1).
 static void amx_bf16_panel(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w0, const uint16_t *w1, int cols,
                            uint16_t *y, int64_t n, TileConfig *config) {
     for (int64_t i = 0; i < m; i += 32)
-        amx_bf16_block(x + i * k, min_int(32, m - i), k, w0, w1, cols, NULL, y + i * n, n, config);
+        amx_bf16_block(x + i * k, min_int(32, m - i), k, w0, w1, cols, y + i * n, n, config);
 }
 
 // Returns 0, or -1 when N % 16 or K % 32 is not zero or AMX is unavailable.
