@@ -1,7 +1,7 @@
 // AMX (Advanced Matrix Extensions) shared by the kernels that use its tiles: the Linux
-// permission to use tile state, the tile configuration, and the bf16 tile products of a block. Compiled only where the compiler
-// targets AMX (-march=native on a CPU with amx_tile, amx_bf16, amx_int8); elsewhere HAVE_AMX
-// stays undefined and callers keep their AVX-512 code.
+// permission to use tile state, the tile configuration, and the bf16 tile products of a block.
+// Compiled only where the compiler targets AMX (-march=native on a CPU with amx_tile, amx_bf16,
+// amx_int8); elsewhere HAVE_AMX stays undefined and callers keep their AVX-512 code.
 //
 // A tile is up to 16 rows of 64 bytes; a kernel names tiles by number (tmm0-tmm7) in each
 // instruction, so the number of rows of every tile is fixed by `configure_tiles` beforehand,

@@ -100,12 +100,26 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
     return 0;
 }
 
+// act = silu(gate) * up: in the AMX kernel's epilogue where it serves this step (as the torch
+// path's layers/linear.py `silu_and_mul` does), else the projection and `silu_and_mul`.
+static int gated_projection(const Layer *l, const Step *s, const uint16_t *x, uint16_t *gate_up, uint16_t *act) {
+    const Weight *w = &l->gate_up;
+    int64_t m = s->tokens, k = l->hidden;
+    if (s->amx[w->kind] && amx_tiles(w->kind, k) && w->n % 32 == 0) switch (w->kind) {
+            case WEIGHT_BF16: return gemm_bf16_amx_silu(x, w->weight, act, m, w->n, k, s->threads);
+            case WEIGHT_INT8: return gemm_int8_amx_silu(x, w->weight, w->scale, act, m, w->n, k, s->threads);
+            case WEIGHT_INT4: return gemm_int4_amx_silu(x, w->weight, w->scale, w->low, act, m, w->n, k, s->threads);
+        }
+    if (project(w, s, x, gate_up, k)) return -1;
+    silu_and_mul(gate_up, act, m, l->intermediate);
+    return 0;
+}
+
 static int mlp_block(const Layer *l, const Step *s, uint16_t *x, uint16_t *normed, uint16_t *gate_up,
                      uint16_t *act, uint16_t *delta) {
     int64_t m = s->tokens;
     rms_norm_bf16(x, l->post_attention_norm, normed, m, l->hidden, l->eps, s->threads);
-    if (project(&l->gate_up, s, normed, gate_up, l->hidden)) return -1;
-    silu_and_mul(gate_up, act, m, l->intermediate);
+    if (gated_projection(l, s, normed, gate_up, act)) return -1;
     if (project(&l->down, s, act, delta, l->intermediate)) return -1;
     add_residual(x, delta, m * l->hidden);
     return 0;

@@ -23,6 +23,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "vector_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -351,77 +352,139 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
 // --- AMX tiles ------------------------------------------------------------------------------
 // The same products on AMX's tile unit, for the row counts where it wins (layers/linear.py):
 // one `tdpbf16ps` multiplies a tile of 16 rows x 32 K steps of x by 32 K steps x 16 columns of
-// W into 16 x 16 float32 sums, 16 times the multiply-adds of an AVX-512 FMA. Sums stay in tiles
-// over the whole K loop, a block of up to 32 rows x 32 columns at a time: tmm0-3 hold the sums,
-// tmm4-5 x, tmm6-7 W. Each thread takes its share of W's columns, a panel of two 16-column
-// blocks at a time, and runs every row block over the panel while it is in cache.
-// - bf16: W's packed pairs are B tiles as they lie (16 pair rows of 64 bytes per 32 K steps);
-//   float32 sums like the FMA loop's, in another order.
-// - int8: x in 16-bit fixed point as for `gemm_int8`, split into a signed high byte and an
-//   unsigned low byte (xq = 256 hi + lo, the bytes of each quad permuted as the codes are);
-//   `tdpbssd` (hi) and `tdpbusd` (lo) against the codes give exact int32 sums, joined in float32
-//   once at the end. Two sums per block of 16 x 16, so a block is 16 rows x 32 columns.
-// - int4: a panel's codes are first widened to bf16 values (q * scale + low in float32,
-//   rounded to bf16 once: a relative error up to 2^-9 of each weight, under a tenth of its
-//   4-bit step) into a per-thread buffer in the bf16 pair layout, then multiplied as bf16.
+// W into 16 x 16 float32 sums, 16 times the multiply-adds of an AVX-512 FMA (amx.h). Sums stay
+// in tiles over the whole K loop, a block of up to 32 rows x 32 columns at a time. Each thread
+// takes its share of W's columns, a panel of two 16-column blocks at a time, and runs every row
+// block over the panel while it is in cache.
+// - bf16: W's packed pairs are B tiles as they lie; float32 sums like the FMA loop's, in
+//   another order.
+// - int8, below INT8_WIDEN_MIN_ROWS rows: x in 16-bit fixed point as for `gemm_int8`, split into
+//   a signed high byte and an unsigned low byte (xq = 256 hi + lo, the bytes of each quad
+//   permuted as the codes are); `tdpbssd` (hi) and `tdpbusd` (lo) against the codes as they lie
+//   give exact int32 sums, joined in float32 once at the end. Two sums per block of 16 x 16, so
+//   a block is 16 rows x 32 columns.
+// - int8 from INT8_WIDEN_MIN_ROWS rows, and int4: a panel's codes are first widened into a
+//   per-thread buffer in the bf16 pair layout, then multiplied as bf16 with x as it is: int8
+//   codes exactly (the scale applied per column at the end), int4 as bf16 values q * scale + low
+//   (computed in float32 and rounded once: a relative error up to 2^-9 of each weight, under a
+//   tenth of its 4-bit step).
+// Each has a `_silu` form for a fused gate/up projection, W = [gate; up] of 2I rows: a panel
+// pairs gate block j with up block j + I/16, and the epilogue writes silu(gate) * up (float32,
+// rounded to bf16 once) into y [M][I], where torch rounded gate, up, silu and the product.
 // K must be a multiple of 32 (bf16, int4) or 64 (int8); other shapes keep the loops above.
 #ifdef HAVE_AMX
+
+// int8 rows from which widening codes to bf16 beats the integer tiles, where converting x to
+// fixed point, splitting it and two sums per tile cost more than widening a panel once for
+// many rows. Either path against bf16 tiles on the same shape (one thread, best of 40, AMX
+// machine), M x N x K: 64 x 3072 x 576 widened 0.93x, integer 1.23x; 128 x 3072 x 576 0.87x /
+// 0.97x; 128 x 576 x 1536 1.01x / 0.68x; 128 x 960 x 576 0.70x / 0.69x; at 256 rows 1.0-1.07x /
+// 0.73-0.88x; at 512 the integer tiles 0.60-0.91x.
+#define INT8_WIDEN_MIN_ROWS 128
 
 int gemm_amx_available(void) { return amx_ready(); }
 
 static inline int min_int(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
 
-// One block of up to 32 rows x 32 columns into y.
+// What a block's sums become: bf16 columns of y, times scale[col] when given; or, with silu,
+// silu(first block) * second block into 16 columns of y.
+typedef struct {
+    const float *scale;
+    int silu;
+} Epilogue;
+
+// A row of one or two 16-column blocks of float32 sums to bf16 y, as one store (cvtne2ps2bf16
+// rounds to nearest even, as store_bf16 does, and flushes denormals, which sums of products of
+// bf16 weights and activations do not reach): a whole cache line per row of a 32-column panel.
+static inline void store_row(uint16_t *y, __m512 first, __m512 second, int cols, const Epilogue *e) {
+    if (e->scale) {
+        first = _mm512_mul_ps(first, _mm512_loadu_ps(e->scale));
+        if (cols == 2) second = _mm512_mul_ps(second, _mm512_loadu_ps(e->scale + 16));
+    }
+    if (e->silu)
+        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(silu_times(first, second)));
+    else if (cols == 2)
+        _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+    else
+        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(first));
+}
+
+// One block of up to 32 rows x 32 columns (two column blocks w0, w1 of bf16 pairs) into y.
 static void amx_bf16_block(const uint16_t *x, int rows, int64_t k, const uint16_t *w0, const uint16_t *w1, int cols,
-                           uint16_t *y, int64_t n, TileConfig *config) {
+                           const Epilogue *e, uint16_t *y, int64_t n, TileConfig *config) {
     float sums[4][256] __attribute__((aligned(64)));
     int top = amx_bf16_sums(x, k, rows, k, w0, w1, cols, config, sums);
-    for (int c = 0; c < cols; c++)
-        for (int r = 0; r < rows; r++)
-            store_bf16(y + r * n + 16 * c, _mm512_load_ps(sums[(r >= top) * 2 + c] + 16 * (r % 16)));
+    for (int r = 0; r < rows; r++) {
+        const float *row = sums[(r >= top) * 2] + 16 * (r % 16);
+        store_row(y + r * n, _mm512_load_ps(row), _mm512_load_ps(row + 256), cols, e);
+    }
 }
 
-// Every row block of x over one panel of W (bf16 pairs, column blocks w0 and w1).
+// Every row block of x over one panel of W.
 static void amx_bf16_panel(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w0, const uint16_t *w1, int cols,
-                           uint16_t *y, int64_t n, TileConfig *config) {
+                           const Epilogue *e, uint16_t *y, int64_t n, TileConfig *config) {
     for (int64_t i = 0; i < m; i += 32)
-        amx_bf16_block(x + i * k, min_int(32, m - i), k, w0, w1, cols, y + i * n, n, config);
+        amx_bf16_block(x + i * k, min_int(32, m - i), k, w0, w1, cols, e, y + i * n, n, config);
 }
 
-// Returns 0, or -1 when N % 16 or K % 32 is not zero or AMX is unavailable.
-int gemm_bf16_amx(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
-                  int threads) {
-    if (n % 16 || k % 32 || !amx_ready()) return -1;
+// The column blocks of W a thread's panels pair up, and where their columns go in y: blocks b
+// and b + 1 into columns 16 b.., or (silu) gate block b and up block b + half into 16 b..
+typedef struct {
+    int64_t first, second, out;
+    int cols;
+} Panel;
+
+static Panel panel_at(int64_t b, int64_t end, int silu, int64_t half) {
+    if (silu) return (Panel){b, b + half, 16 * b, 2};
+    return (Panel){b, b + 1, 16 * b, end - b < 2 ? 1 : 2};
+}
+
+// Output blocks: N/16 of y's columns, or (silu) the I/16 gate blocks.
+static int64_t output_blocks(int64_t n, int silu) { return silu ? n / 32 : n / 16; }
+
+static int gemm_bf16_tiles(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                           int threads, int silu) {
+    if (n % (silu ? 32 : 16) || k % 32 || !amx_ready()) return -1;
+    int64_t blocks = output_blocks(n, silu), width = silu ? n / 2 : n;
+    Epilogue e = {NULL, silu};
 #pragma omp parallel num_threads(threads)
     {
         TileConfig config = {0};
         int64_t begin, end;
-        thread_blocks(n / 16, &begin, &end);
-        for (int64_t b = begin; b < end; b += 2) {
-            const uint16_t *w0 = w_packed + b * 16 * k;
-            amx_bf16_panel(x, m, k, w0, w0 + 16 * k, end - b < 2 ? 1 : 2, y + b * 16, n, &config);
+        thread_blocks(blocks, &begin, &end);
+        for (int64_t b = begin; b < end; b += silu ? 1 : 2) {
+            Panel p = panel_at(b, end, silu, blocks);
+            amx_bf16_panel(x, m, k, w_packed + p.first * 16 * k, w_packed + p.second * 16 * k, p.cols, &e, y + p.out,
+                           width, &config);
         }
         _tile_release();
     }
     return 0;
 }
 
-// (256 hi + lo) * scale[col] * row_scale[r] for the rows of a 16-column block, to bf16 y.
-static void store_split_sums(const int32_t *hi, const int32_t *lo, int rows, const float *row_scale,
-                             const float *scale, uint16_t *y, int64_t n) {
-    __m512 s = _mm512_loadu_ps(scale);
-    for (int r = 0; r < rows; r++) {
-        __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(hi + 16 * r)), _mm512_set1_ps(256.f),
-                                       _mm512_cvtepi32_ps(_mm512_loadu_si512(lo + 16 * r)));
-        store_bf16(y + r * n, _mm512_mul_ps(total, _mm512_mul_ps(s, _mm512_set1_ps(row_scale[r]))));
-    }
+// Returns 0, or -1 when N % 16 or K % 32 is not zero or AMX is unavailable.
+int gemm_bf16_amx(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    return gemm_bf16_tiles(x, w_packed, y, m, n, k, threads, 0);
+}
+
+// y [M][N/2] = silu(gate) * up; -1 when N % 32 or K % 32 is not zero or AMX is unavailable.
+int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                       int threads) {
+    return gemm_bf16_tiles(x, w_packed, y, m, n, k, threads, 1);
+}
+
+// (256 hi + lo) * scale[col] * row_scale for 16 columns of row r.
+static inline __m512 split_sum(const int32_t *hi, const int32_t *lo, int r, float row_scale, const float *scale) {
+    __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(hi + 16 * r)), _mm512_set1_ps(256.f),
+                                   _mm512_cvtepi32_ps(_mm512_load_si512(lo + 16 * r)));
+    return _mm512_mul_ps(total, _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(row_scale)));
 }
 
 // int8: one row tile (rows <= 16) of split bytes [rows][k] times one or two column blocks of codes.
 static inline __attribute__((always_inline)) void amx_int8_tiles(const int8_t *hi, const uint8_t *lo, int64_t k,
-                                                                 const int8_t *w0, const int8_t *w1, int cols, int rows,
-                                                                 const float *row_scale, const float *scale,
-                                                                 uint16_t *y, int64_t n) {
+                                                                 const int8_t *w0, const int8_t *w1, int cols,
+                                                                 int32_t (*sums)[256]) {
     _tile_zero(0);
     _tile_zero(2);
     if (cols == 2) {
@@ -440,23 +503,27 @@ static inline __attribute__((always_inline)) void amx_int8_tiles(const int8_t *h
             _tile_dpbusd(3, 5, 7);
         }
     }
-    int32_t sums[4][256] __attribute__((aligned(64)));
     _tile_stored(0, sums[0], 64);
     _tile_stored(2, sums[2], 64);
     if (cols == 2) {
         _tile_stored(1, sums[1], 64);
         _tile_stored(3, sums[3], 64);
     }
-    for (int c = 0; c < cols; c++) store_split_sums(sums[c], sums[2 + c], rows, row_scale, scale + 16 * c, y + 16 * c, n);
 }
 
+// scale0, scale1: the columns' scales of the two blocks (silu: gate's and up's).
 static void amx_int8_block(const int8_t *hi, const uint8_t *lo, const float *row_scale, int rows, int64_t k,
-                           const int8_t *w0, const int8_t *w1, const float *scale, int cols, uint16_t *y, int64_t n,
-                           TileConfig *config) {
+                           const int8_t *w0, const int8_t *w1, const float *scale0, const float *scale1, int cols,
+                           const Epilogue *e, uint16_t *y, int64_t n, TileConfig *config) {
     uint8_t shape[8] = {rows, rows, rows, rows, rows, rows, 16, 16};
     configure_tiles(shape, config);
-    if (cols == 2) amx_int8_tiles(hi, lo, k, w0, w1, 2, rows, row_scale, scale, y, n);
-    else amx_int8_tiles(hi, lo, k, w0, w1, 1, rows, row_scale, scale, y, n);
+    int32_t sums[4][256] __attribute__((aligned(64)));
+    if (cols == 2) amx_int8_tiles(hi, lo, k, w0, w1, 2, sums);
+    else amx_int8_tiles(hi, lo, k, w0, w1, 1, sums);
+    Epilogue scaled = {NULL, e->silu};  // the scales are in split_sum
+    for (int r = 0; r < rows; r++)
+        store_row(y + r * n, split_sum(sums[0], sums[2], r, row_scale[r], scale0),
+                  cols == 2 ? split_sum(sums[1], sums[3], r, row_scale[r], scale1) : _mm512_setzero_ps(), cols, &scaled);
 }
 
 // Fixed-point rows as signed high and unsigned low bytes, each quad of K steps in the codes'
@@ -472,10 +539,8 @@ static void split_bytes(const int16_t *xq, int64_t count, int8_t *hi, uint8_t *l
     }
 }
 
-// Returns 0, or -1 when N % 16 or K % 64 is not zero, AMX is unavailable or memory runs out.
-int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
-                  int64_t k, int threads) {
-    if (n % 16 || k % 64 || !amx_ready()) return -1;
+static int gemm_int8_split(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                           int64_t n, int64_t k, int threads, int silu) {
     float *row_scale = malloc(sizeof(float) * m);
     int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
     int8_t *hi = xq ? malloc(2 * m * k) : NULL;
@@ -486,16 +551,19 @@ int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale,
     }
     uint8_t *lo = (uint8_t *)hi + m * k;
     split_bytes(xq, m * k, hi, lo);
+    int64_t blocks = output_blocks(n, silu), width = silu ? n / 2 : n;
+    Epilogue e = {NULL, silu};
 #pragma omp parallel num_threads(threads)
     {
         TileConfig config = {0};
         int64_t begin, end;
-        thread_blocks(n / 16, &begin, &end);
-        for (int64_t b = begin; b < end; b += 2) {
-            const int8_t *w0 = w_packed + b * 16 * k;
+        thread_blocks(blocks, &begin, &end);
+        for (int64_t b = begin; b < end; b += silu ? 1 : 2) {
+            Panel p = panel_at(b, end, silu, blocks);
             for (int64_t i = 0; i < m; i += 16)
-                amx_int8_block(hi + i * k, lo + i * k, row_scale + i, min_int(16, m - i), k, w0, w0 + 16 * k,
-                               scale + b * 16, end - b < 2 ? 1 : 2, y + i * n + b * 16, n, &config);
+                amx_int8_block(hi + i * k, lo + i * k, row_scale + i, min_int(16, m - i), k, w_packed + p.first * 16 * k,
+                               w_packed + p.second * 16 * k, scale + 16 * p.first, scale + 16 * p.second, p.cols, &e,
+                               y + i * width + p.out, width, &config);
         }
         _tile_release();
     }
@@ -505,8 +573,28 @@ int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale,
     return 0;
 }
 
-// int4: one column block's codes [k/8][16][4 bytes], scale and low [k/32][16] -> bf16 pairs
-// [k/2][16][2] of q * scale + low.
+// Codes of one 16-column block widened to bf16 pairs [k/2][16][2] for the bf16 tiles.
+typedef struct {
+    const void *w;
+    const float *scale, *low;  // int4: per group and column; int8: NULL (exact codes)
+} Codes;
+
+// int8: quads [k/4][16][4] (k0 k2 k1 k3) -> the exact codes as bf16 pairs.
+static void widen_int8_block(const int8_t *w, int64_t k, uint16_t *out) {
+    for (int64_t q = 0; q < k / 4; q++) {
+        __m512i quads = _mm512_loadu_si512(w + q * 64);
+        __m512i pairs[2] = {_mm512_srai_epi16(_mm512_slli_epi16(quads, 8), 8), _mm512_srai_epi16(quads, 8)};
+        for (int h = 0; h < 2; h++) {  // each dword: two int16 codes, exact in float32 and in bf16
+            __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs[h], 16), 16));
+            __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs[h], 16));
+            __m512i bits = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                                     _mm512_castps_si512(odd), _mm512_set1_epi32((int)0xFFFF0000), 0xF8);
+            _mm512_storeu_si512(out + (2 * q + h) * 32, bits);  // 0xF8: a | (b & c)
+        }
+    }
+}
+
+// int4: codes [k/8][16][4 bytes], scale and low [k/32][16] -> bf16 pairs of q * scale + low.
 static void widen_int4_block(const uint8_t *w, const float *scale, const float *low, int64_t k, uint16_t *out) {
     static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -526,24 +614,38 @@ static void widen_int4_block(const uint8_t *w, const float *scale, const float *
     }
 }
 
-// Returns 0, or -1 when N % 16 or K % 32 is not zero, AMX is unavailable or memory runs out.
-int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-                  int64_t m, int64_t n, int64_t k, int threads) {
-    if (n % 16 || k % GROUP || !amx_ready()) return -1;
+static void widen_block(const Codes *c, int64_t b, int64_t k, uint16_t *out) {
+    if (c->low)
+        widen_int4_block((const uint8_t *)c->w + b * 8 * k, c->scale + b * 16 * (k / GROUP), c->low + b * 16 * (k / GROUP),
+                         k, out);
+    else
+        widen_int8_block((const int8_t *)c->w + b * 16 * k, k, out);
+}
+
+// int8 (scale per column applied at the end) or int4, through a widened panel per thread.
+static int gemm_widened(const uint16_t *x, const Codes *codes, const float *column_scale, uint16_t *y, int64_t m,
+                        int64_t n, int64_t k, int threads, int silu) {
     int failed = 0;
-    int64_t groups = k / GROUP;
+    int64_t blocks = output_blocks(n, silu), width = silu ? n / 2 : n;
 #pragma omp parallel num_threads(threads)
     {
         uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * 32 * k);
         TileConfig config = {0};
         int64_t begin, end;
-        thread_blocks(n / 16, &begin, &end);
-        for (int64_t b = begin; panel && b < end; b += 2) {
-            int cols = end - b < 2 ? 1 : 2;
-            for (int j = 0; j < cols; j++)
-                widen_int4_block(w_packed + (b + j) * 8 * k, scale + (b + j) * 16 * groups, low + (b + j) * 16 * groups, k,
-                                 panel + j * 16 * k);
-            amx_bf16_panel(x, m, k, panel, panel + 16 * k, cols, y + b * 16, n, &config);
+        thread_blocks(blocks, &begin, &end);
+        for (int64_t b = begin; panel && b < end; b += silu ? 1 : 2) {
+            Panel p = panel_at(b, end, silu, blocks);
+            widen_block(codes, p.first, k, panel);
+            if (p.cols == 2) widen_block(codes, p.second, k, panel + 16 * k);
+            float scaled[32];  // the panel's two blocks' column scales (silu: gate's and up's)
+            const float *scale = NULL;
+            if (column_scale) {
+                memcpy(scaled, column_scale + 16 * p.first, 16 * sizeof(float));
+                memcpy(scaled + 16, column_scale + 16 * p.second, 16 * sizeof(float));
+                scale = scaled;
+            }
+            Epilogue e = {scale, silu};
+            amx_bf16_panel(x, m, k, panel, panel + 16 * k, p.cols, &e, y + p.out, width, &config);
         }
         if (!panel) {
 #pragma omp atomic write
@@ -553,6 +655,47 @@ int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale
         free(panel);
     }
     return failed ? -1 : 0;
+}
+
+static int gemm_int8_tiles(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                           int64_t n, int64_t k, int threads, int silu) {
+    if (n % (silu ? 32 : 16) || k % 64 || !amx_ready()) return -1;
+    if (m < INT8_WIDEN_MIN_ROWS) return gemm_int8_split(x, w_packed, scale, y, m, n, k, threads, silu);
+    Codes codes = {w_packed, NULL, NULL};
+    return gemm_widened(x, &codes, scale, y, m, n, k, threads, silu);
+}
+
+// Returns 0, or -1 when N % 16 or K % 64 is not zero, AMX is unavailable or memory runs out.
+int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
+                  int64_t k, int threads) {
+    return gemm_int8_tiles(x, w_packed, scale, y, m, n, k, threads, 0);
+}
+
+// y [M][N/2] = silu(gate) * up; -1 when N % 32 or K % 64 is not zero, AMX is unavailable or
+// memory runs out.
+int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                       int64_t n, int64_t k, int threads) {
+    return gemm_int8_tiles(x, w_packed, scale, y, m, n, k, threads, 1);
+}
+
+static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low,
+                           uint16_t *y, int64_t m, int64_t n, int64_t k, int threads, int silu) {
+    if (n % (silu ? 32 : 16) || k % GROUP || !amx_ready()) return -1;
+    Codes codes = {w_packed, scale, low};
+    return gemm_widened(x, &codes, NULL, y, m, n, k, threads, silu);
+}
+
+// Returns 0, or -1 when N % 16 or K % 32 is not zero, AMX is unavailable or memory runs out.
+int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                  int64_t m, int64_t n, int64_t k, int threads) {
+    return gemm_int4_tiles(x, w_packed, scale, low, y, m, n, k, threads, 0);
+}
+
+// y [M][N/2] = silu(gate) * up; -1 when N % 32 or K % 32 is not zero, AMX is unavailable or
+// memory runs out.
+int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                       int64_t m, int64_t n, int64_t k, int threads) {
+    return gemm_int4_tiles(x, w_packed, scale, low, y, m, n, k, threads, 1);
 }
 #else
 int gemm_amx_available(void) { return 0; }
@@ -570,6 +713,21 @@ int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale,
 
 int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
                   int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                       int threads) {
+    return -1;
+}
+
+int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                       int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                       int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
 #endif
@@ -606,6 +764,21 @@ int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale,
 
 int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
                   int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                       int threads) {
+    return -1;
+}
+
+int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                       int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                       int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
 #endif

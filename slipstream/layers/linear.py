@@ -96,6 +96,25 @@ class Linear(nn.Linear):
         out = native_matmul(x, self.packed, kernel=kernel)
         return out if self.bias is None else out.add_(self.bias)
 
+    def fused_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`silu_and_mul` in one AMX call when this layer's policy for x is AMX, else None."""
+        if (self.native and self.bias is None and self.out_features % 32 == 0
+                and native_kernel("bf16", x.shape[0], self.in_features) == "amx"):
+            return native_matmul(x, self.packed, kernel="amx", silu=True)
+        return None
+
+
+def silu_and_mul(projection: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a fused gate/up projection of x (its output is [gate | up]). Where the
+    projection's GEMM is an AMX kernel, one call whose epilogue applies the activation (from
+    float32 sums, rounded once); else the projection, then torch's two ops. 512-token SmolLM2
+    prefill on the AMX machine (1 thread): silu and the product took 8-10% of it."""
+    fused = projection.fused_silu(x) if hasattr(projection, "fused_silu") else None
+    if fused is not None:
+        return fused
+    gate, up = projection(x).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
 
 def prepack_weights(model: nn.Module) -> None:
     """Give every bf16 CPU `Linear` of `model` a packed weight for small batches."""
@@ -122,17 +141,18 @@ def native_gemm_fits(weight: torch.Tensor) -> bool:
 
 
 def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
-                  low: torch.Tensor | None = None, kernel: str = "avx512") -> torch.Tensor:
+                  low: torch.Tensor | None = None, kernel: str = "avx512", silu: bool = False) -> torch.Tensor:
     """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512" or
     "amx", see `native_kernel`). The weight is bf16 (`pack_columns`), int8 codes with a
     float32 `scale` per output column (`Int8Linear`), or 4-bit codes with `scale` and `low`
-    per group and column (`Int4Linear._pack_native`)."""
+    per group and column (`Int4Linear._pack_native`). With `silu` (AMX only) the weight is a
+    fused [gate; up] projection and the result silu(gate) * up, [M, N/2]."""
     x = x.contiguous()
     blocks, k = packed.shape[0], x.shape[1]
-    out = x.new_empty(x.shape[0], blocks * 16)
+    out = x.new_empty(x.shape[0], blocks * (8 if silu else 16))
     P, I64, I32 = kernels.PTR, kernels.I64, kernels.I32
-    args = (out.data_ptr(), x.shape[0], out.shape[1], k, kernels.threads())
-    suffix = "_amx" if kernel == "amx" else ""
+    args = (out.data_ptr(), x.shape[0], blocks * 16, k, kernels.threads())
+    suffix = ("_amx" if kernel == "amx" else "") + ("_silu" if silu else "")
     if packed.dtype == torch.bfloat16:
         gemm = kernels.function("gemm", "gemm_bf16" + suffix, P, P, P, I64, I64, I64, I32, restype=ctypes.c_int)
         status = gemm(x.data_ptr(), packed.data_ptr(), *args)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream import kernels
-from slipstream.layers.linear import Linear, linear
+from slipstream.layers.linear import Linear, linear, silu_and_mul
 from slipstream.platform import cpu_has_amx
 
 # Measured on the development machine (AVX512-BF16, no AMX), one expert whose weights come from memory: fp32
@@ -89,6 +89,8 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is F.silu:
+            return self.down_proj(silu_and_mul(self.gate_up_proj, x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

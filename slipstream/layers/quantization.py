@@ -34,7 +34,7 @@ INT4_GROUP_SIZE = 32
 
 
 class _WeightOnlyLinear(nn.Module):
-    """Subclasses hold the packed weight and provide `packed_mm(x, kernel)` and `dequantized(dtype)`."""
+    """Subclasses hold the packed weight and provide `packed_mm(x, kernel, silu)` and `dequantized(dtype)`."""
 
     bias: torch.Tensor | None
     format: str  # the weight format's name in layers/linear.py's policy
@@ -46,6 +46,12 @@ class _WeightOnlyLinear(nn.Module):
             return F.linear(x.float(), self.dequantized(torch.float32), bias).to(x.dtype)
         out = self.packed_mm(x, kernel)
         return out if self.bias is None else out + self.bias
+
+    def fused_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """layers/linear.py's `silu_and_mul` in one AMX call when the policy for x is AMX, else None."""
+        if self.native_kernel(x) != "amx" or self.bias is not None or self.packed.shape[0] % 2:
+            return None
+        return self.packed_mm(x, "amx", silu=True)
 
     def native_kernel(self, x: torch.Tensor) -> str | None:
         """The kernel of kernels/gemm.c for x (layers/linear.py's policy), None without a native packing."""
@@ -73,9 +79,9 @@ class Int8Linear(_WeightOnlyLinear):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
 
-    def packed_mm(self, x: torch.Tensor, kernel: str | None) -> torch.Tensor:
+    def packed_mm(self, x: torch.Tensor, kernel: str | None, silu: bool = False) -> torch.Tensor:
         if kernel is not None:
-            return native_matmul(x, self.packed, self.scale_f32, kernel=kernel)
+            return native_matmul(x, self.packed, self.scale_f32, kernel=kernel, silu=silu)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
 
 
@@ -160,9 +166,9 @@ class Int4Linear(_WeightOnlyLinear):
         q = q.reshape(*scale.shape, INT4_GROUP_SIZE)
         return ((q - 8) * scale[..., None] + zero[..., None]).flatten(1)
 
-    def packed_mm(self, x: torch.Tensor, kernel: str | None) -> torch.Tensor:
+    def packed_mm(self, x: torch.Tensor, kernel: str | None, silu: bool = False) -> torch.Tensor:
         if kernel is not None:
-            return native_matmul(x, self.packed, self.packed_scale, self.packed_low, kernel=kernel)
+            return native_matmul(x, self.packed, self.packed_scale, self.packed_low, kernel=kernel, silu=silu)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE,
                                                           self.scales_and_zeros.to(x.dtype))
 

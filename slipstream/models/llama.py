@@ -10,13 +10,12 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slipstream.attention import attend
 from slipstream.attention.metadata import get_metadata
 from slipstream.config import ModelConfig
-from slipstream.layers.linear import Linear
+from slipstream.layers.linear import Linear, silu_and_mul
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.loader.hf_config import UnsupportedModelError, common_fields
@@ -68,8 +67,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):
