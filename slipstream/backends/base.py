@@ -41,7 +41,8 @@ class Backend:
         raise NotImplementedError
 
     def decode_stack(self, model: nn.Module):
-        """A callable running whole decode steps in one go, or None."""
+        """A callable (positions, x) -> bool running all of `model`'s decoder layers in one go
+        for the steps it serves (True), or None where the backend has none."""
         return None
 
     def describe(self) -> list[str]:

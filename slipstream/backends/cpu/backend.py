@@ -16,10 +16,13 @@ from slipstream.attention import reference, turboquant
 from slipstream.backends.base import AttentionImpl
 from slipstream.backends.cpu.attention import dense_decode, turboquant_decode
 from slipstream.backends.cpu.capability import CpuCapability
+from slipstream.backends.cpu.decode_stack import DecodeStack
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
-from slipstream.layers.linear import prepack_weights
+from slipstream.backends.cpu.decode_stack import max_tokens
+from slipstream.layers.linear import AMX_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, prepack_weights
+from slipstream.layers.moe import NATIVE_MIN_TOKENS, UPCAST_MIN_TOKENS
 
 
 class CpuBackend(ReferenceBackend):
@@ -43,8 +46,39 @@ class CpuBackend(ReferenceBackend):
         super().prepare(model, quantization)
         prepack_weights(model)
 
+    def decode_stack(self, model: nn.Module) -> DecodeStack | None:
+        return DecodeStack(model.model.layers) if self.capability.gemm else None
+
     def describe(self) -> list[str]:
-        native = self.capability.kernels is not None
-        return [f"backend {self.name}: {self.capability.summary()}",
+        cap, native = self.capability, self.capability.kernels is not None
+        return [f"backend {self.name}: {cap.summary()}",
                 "attention: " + ("native decode kernels on bf16 caches and TurboQuant codes, torch for prefill"
-                                 if native else "torch")]
+                                 if native else "torch"),
+                "linear: " + _linear_policy(cap),
+                "MoE experts: " + _experts_policy(cap),
+                "decode stack: " + _decode_stack_policy(cap)]
+
+
+def _linear_policy(cap: CpuCapability) -> str:
+    if cap.amx_kernels:
+        rows = ", ".join(f"{fmt} from {n}" for fmt, n in AMX_MIN_ROWS.items())
+        return f"packed weights on AMX tiles ({rows} rows), AVX-512 loops below (kernels/gemm.c)"
+    if cap.gemm:
+        return (f"packed weights on AVX-512 loops (kernels/gemm.c) below {NATIVE_MAX_ROWS} rows in bf16, "
+                f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")
+    upcast = "oneDNN bf16 (AMX) above" if cap.amx else "float32 GEMMs above"
+    return f"oneDNN packed bf16 weights below {UPCAST_MIN_ROWS} rows, {upcast}; int8/int4 on PyTorch's kernels"
+
+
+def _decode_stack_policy(cap: CpuCapability) -> str:
+    if not cap.gemm:
+        return "none (the per-layer torch path)"
+    return "decoder_layer.c for every all-decode step" + ("" if cap.amx_kernels else f" below {UPCAST_MIN_ROWS} tokens")
+
+
+def _experts_policy(cap: CpuCapability) -> str:
+    if cap.moe_expert and cap.amx_kernels:
+        return "moe_expert.c on AMX tiles for every group"
+    if cap.moe_expert:
+        return f"moe_expert.c (float32 FMAs) for groups from {NATIVE_MIN_TOKENS['avx512']} tokens, bf16 torch below"
+    return "torch, one expert at a time" + ("" if cap.amx else f", float32 from {UPCAST_MIN_TOKENS} tokens")

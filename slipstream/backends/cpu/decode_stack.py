@@ -2,7 +2,7 @@
 
 At one token per sequence a layer's arithmetic takes microseconds, and the torch path's
 Python (module calls, per-kernel ctypes conversions, tensor allocations) cost more than
-reading the layer's weights. A `NativeDecoder` describes a model's layers to the C code
+reading the layer's weights. A `DecodeStack` describes a model's layers to the C code
 once (packed weights, norms, KV caches, shapes); each step then costs one call, with a
 description of the step (positions, slots, block tables) built once from its metadata.
 
@@ -63,30 +63,39 @@ def _layer(layer: nn.Module, lib: abi.Kernels) -> abi.Layer | None:
                   norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.attn.scale)
 
 
-class NativeDecoder:
-    """A model's decoder layers described to `decoder_layers_decode` once."""
+class DecodeStack:
+    """A model's decoder layers, run whole for the decode steps the C code serves: the CPU
+    backend's fused decode stack. Its description of the layers is built on first use and
+    again whenever a KV cache is rebound."""
 
-    def __init__(self, layers: ctypes.Array):
+    def __init__(self, layers: nn.ModuleList):
         self.layers = layers
+        self._built: tuple[tuple, ctypes.Array | None] | None = None
 
-    @classmethod
-    def of(cls, layers: nn.ModuleList) -> NativeDecoder | None:
-        """The native form of `layers`, built on first use and again whenever a KV cache is
-        rebound; None when the kernel is unavailable or any layer does not fit."""
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
+        """Runs every layer on x in place and returns True when the step is one the stack
+        serves; False (x untouched) sends it down the torch path."""
+        layers = self.described()
+        step = None if layers is None else decode_step(positions, x, self.layers[0].self_attn.rotary)
+        if step is None:
+            return False
+        self.run(layers, step, x)
+        return True
+
+    def described(self) -> ctypes.Array | None:
+        """The layers as `decoder_layers_decode` takes them; None when any does not fit."""
         lib = abi.kernels()
         if lib is None:
             return None
-        caches = tuple(layer.self_attn.attn.kv_cache for layer in layers)
-        built = getattr(layers, "_native_decode", None)
-        if built is None or any(a is not b for a, b in zip(built[0], caches)):
-            structs = [_layer(layer, lib) for layer in layers]
-            native = None if None in structs else cls((abi.Layer * len(structs))(*structs))
-            built = layers._native_decode = (caches, native)
-        return built[1]
+        caches = tuple(layer.self_attn.attn.kv_cache for layer in self.layers)
+        if self._built is None or any(a is not b for a, b in zip(self._built[0], caches)):
+            structs = [_layer(layer, lib) for layer in self.layers]
+            self._built = (caches, None if None in structs else (abi.Layer * len(structs))(*structs))
+        return self._built[1]
 
-    def __call__(self, x: torch.Tensor, step: abi.Step) -> None:
-        """Runs every layer on the contiguous decode rows x, in place."""
-        if abi.kernels().decoder_layers_decode(self.layers, len(self.layers), step, x.data_ptr()) != 0:
+    @staticmethod
+    def run(layers: ctypes.Array, step: abi.Step, x: torch.Tensor) -> None:
+        if abi.kernels().decoder_layers_decode(layers, len(layers), step, x.data_ptr()) != 0:
             raise MemoryError(f"native decode could not allocate scratch for {x.shape[0]} tokens")
 
 
