@@ -20,8 +20,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from slipstream.layers.linear import Linear, amx_gemm_available, native_gemm_fits, native_matmul, pack_columns
-from slipstream.layers.quantization import Int4Linear, Int8Linear, W8A8Linear
+from slipstream.backends.cpu.capability import CpuCapability
+from slipstream.backends.cpu.linear import GemmPolicy, NativeInt4, NativeInt8, native_matmul, pack_columns
+from slipstream.layers.linear import Linear, LinearMethod
+from slipstream.layers.quantization import QUANTIZED
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "head": (576, 49152),
           "moe_gate_up": (1024, 4096), "moe_down": (2048, 1024)}  # K x N
@@ -29,12 +31,26 @@ COLD_BYTES = 200e6
 SAMPLE_SECONDS = 0.02
 
 
-def paths(k: int, n: int) -> dict[str, tuple]:
+def bound(layers: list[Linear], method: LinearMethod) -> list[Linear]:
+    """Copies of `layers` in `method`'s format."""
+    copies = []
+    for layer in layers:
+        copy = Linear(layer.in_features, layer.out_features, bias=False).bfloat16()
+        copy.weight.data.copy_(layer.weight.data)
+        copy.bind(method)
+        copies.append(copy)
+    return copies
+
+
+def paths(k: int, n: int, capability: CpuCapability) -> dict[str, tuple]:
     """name -> (function of (x, weight object), weight objects to rotate through)."""
     torch.manual_seed(0)
     layers = [Linear(k, n, bias=False).bfloat16() for _ in range(max(1, min(48, int(COLD_BYTES // (2 * k * n)))))]
     weights = [layer.weight.detach() for layer in layers]
-    int8, int4 = [Int8Linear(layer) for layer in layers], [Int4Linear(layer) for layer in layers]
+    native = capability.gemm
+    int8 = bound(layers, NativeInt8(GemmPolicy(capability.amx_kernels)) if native else QUANTIZED["int8"])
+    int4 = bound(layers, NativeInt4(GemmPolicy(capability.amx_kernels)) if native else QUANTIZED["int4"])
+    dequantized = lambda x, q: F.linear(x.float(), q.method.dequantized(q, torch.float32)).bfloat16()  # noqa: E731
     few = slice(0, 4)  # the fp32 copies are large, and these paths are compute bound anyway
     table = {
         "oneDNN bf16": (F.linear, weights),
@@ -42,19 +58,18 @@ def paths(k: int, n: int) -> dict[str, tuple]:
                           [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]),
         "fp32 upcast": (lambda x, w: F.linear(x.float(), w.float()).bfloat16(), weights[few]),
         "torch int8": (lambda x, q: torch.ops.aten._weight_int8pack_mm(x, q.qweight, q.scale), int8),
-        "int8 dequant fp32": (lambda x, q: F.linear(x.float(), q.dequantized(torch.float32)).bfloat16(), int8[few]),
+        "int8 dequant fp32": (dequantized, int8[few]),
         "torch int4": (lambda x, q: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q.qweight, 32, q.scales_and_zeros),
                        int4),
-        "int4 dequant fp32": (lambda x, q: F.linear(x.float(), q.dequantized(torch.float32)).bfloat16(), int4[few]),
-        "w8a8 _int_mm": (lambda x, q: q(x), [W8A8Linear(layer) for layer in layers]),
+        "int4 dequant fp32": (dequantized, int4[few]),
+        "w8a8 _int_mm": (lambda x, q: q(x), bound(layers, QUANTIZED["w8a8"])),
     }
-    if native_gemm_fits(weights[0]):
-        kernels = ["avx512"] + (["amx"] if amx_gemm_available() else [])
-        for kernel in kernels:
+    if native:
+        for kernel in ["avx512"] + (["amx"] if capability.amx_kernels else []):
             table[f"native bf16 {kernel}"] = (lambda x, p, c=kernel: native_matmul(x, p, kernel=c),
                                               [pack_columns(w) for w in weights])
-            table[f"native int8 {kernel}"] = (lambda x, q, c=kernel: q.packed_mm(x, c), int8)
-            table[f"native int4 {kernel}"] = (lambda x, q, c=kernel: q.packed_mm(x, c), int4)
+            table[f"native int8 {kernel}"] = (lambda x, q, c=kernel: q.method.native_mm(q, x, c), int8)
+            table[f"native int4 {kernel}"] = (lambda x, q, c=kernel: q.method.native_mm(q, x, c), int4)
     return table
 
 
@@ -68,9 +83,9 @@ def sample(fn, weights: list, x: torch.Tensor, flops: float, state: list[int]) -
     return flops * calls / (time.thread_time() - start) / 1e9
 
 
-def measure(name: str, rows: list[int], repeats: int) -> None:
+def measure(name: str, rows: list[int], repeats: int, capability: CpuCapability) -> None:
     k, n = SHAPES[name]
-    table = paths(k, n)
+    table = paths(k, n, capability)
     print(f"\n{name}: K={k} N={n}, GFLOP/s (median of {repeats})")
     print(f"{'path':20s}" + "".join(f"{r:>8d}" for r in rows))
     results = {path: [] for path in table}
@@ -96,10 +111,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"1 thread, thread CPU time; AMX kernels {'built' if amx_gemm_available() else 'not available'}")
+    capability = CpuCapability.detect()
+    print(f"1 thread, thread CPU time; AMX kernels {'built' if capability.amx_kernels else 'not available'}")
     for name in args.shapes:
         rows = [r for r in args.rows if name != "head" or r <= 64]  # the LM head sees decode rows only
-        measure(name, rows, args.repeats)
+        measure(name, rows, args.repeats, capability)
 
 
 if __name__ == "__main__":

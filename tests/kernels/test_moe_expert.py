@@ -1,8 +1,10 @@
 """The native MoE expert (kernels/moe_expert.c) against a float32 computation from the same bf16
-weights: tile tails in tokens and features, accumulation into the output, the MoE layer on it.
+weights: tile tails in tokens and features, accumulation into the output, the MoE layer on the
+CPU backend's expert method.
 
-Every kernel the machine can run is tested: the AVX-512 one (float32 throughout: only the order
-of the sums differs, tolerance 1e-4) and, where `moe_amx_available()`, the AMX one (bf16 tiles,
+Every kernel the machine can run is tested, in every ISA build with a path for it: the AVX-512
+one (float32 throughout: only the order of the sums differs, tolerance 1e-4) and, where the
+capability says AMX tiles are usable, the AMX one (bf16 tiles,
 float32 sums, silu(gate) * up rounded to bf16 once before the down projection: a relative
 error up to 2^-9 per activation, tolerance 1e-2)."""
 from __future__ import annotations
@@ -11,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.backends.cpu import abi
-from slipstream.layers import moe
-from slipstream.layers.moe import Experts, moe_amx_available, native_expert
-
-
+from slipstream.backends.cpu import abi, moe
+from slipstream.backends.cpu.backend import CpuBackend
+from slipstream.backends.cpu.capability import CpuCapability
+from slipstream.backends.cpu.moe import NATIVE_MIN_TOKENS, CpuExperts, native_expert
+from slipstream.layers.moe import Experts
 
 @pytest.fixture
 def expert_isa(isa) -> str:
@@ -28,9 +30,10 @@ def expert_isa(isa) -> str:
 @pytest.fixture(params=["avx512", "amx"])
 def kernel(request, expert_isa) -> str:
     """Each kernel of the build under test that this machine runs."""
-    if request.param == "amx" and not moe_amx_available():
+    if request.param == "amx" and not CpuCapability.detect().amx_kernels:
         pytest.skip(f"the {expert_isa} build has no AMX expert kernel on this machine")
     return request.param
+
 
 TOLERANCE = {"avx512": 1e-4, "amx": 1e-2}
 
@@ -116,11 +119,9 @@ def moe_reference(experts, x, weights, ids):
     [0.0, 0.0, 0.0, -100.0, -1.5, 0.0],  # expert 3 gets no token, expert 4 a few (12)
 ], ids=["spread", "one-expert-takes-all", "empty-and-small-experts"])
 def test_moe_layer_runs_large_groups_natively(monkeypatch, bias, kernel):
-    """bf16, with the machine's AMX kernel or (AMX off) on a CPU without AMX: groups of >=
-    NATIVE_MIN_TOKENS go through the kernel, smaller ones through the bf16 expert; the sum
-    matches float32 up to bf16 rounding."""
-    monkeypatch.setattr(moe, "cpu_has_amx", lambda: kernel == "amx")
-    monkeypatch.setattr(moe, "moe_amx_available", lambda: kernel == "amx")
+    """bf16, on each kernel as the CPU backend binds it (the AVX-512 one as a CPU without AMX
+    would): groups of >= NATIVE_MIN_TOKENS go through the kernel, smaller ones through the bf16
+    expert; the sum matches float32 up to bf16 rounding."""
     calls = []
 
     def recorded(x, token, *rest):
@@ -129,24 +130,31 @@ def test_moe_layer_runs_large_groups_natively(monkeypatch, bias, kernel):
 
     monkeypatch.setattr(moe, "native_expert", recorded)
     experts, x, weights, ids, counts = moe_inputs(len(bias), 32, 64, 150, 2, bias)
+    experts.method = CpuExperts(kernel, upcast=kernel == "avx512")
     with torch.no_grad():
         out = experts(x, weights, ids, counts)
     sizes = counts.tolist()
-    assert calls == [(n, kernel) for n in sizes if n >= moe.NATIVE_MIN_TOKENS[kernel]]
+    assert calls == [(n, kernel) for n in sizes if n >= NATIVE_MIN_TOKENS[kernel]]
     if max(bias) > 0:
         assert max(sizes) == 150
     if min(bias) < 0:
-        assert sizes[3] == 0 and 0 < sizes[4] < moe.NATIVE_MIN_TOKENS["avx512"], sizes  # a group the AVX-512 kernel skips
+        assert sizes[3] == 0 and 0 < sizes[4] < NATIVE_MIN_TOKENS["avx512"], sizes  # a group the AVX-512 kernel skips
     expected = moe_reference(experts, x, weights, ids)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
 
 
-def test_without_native_kernels_the_torch_path_runs(no_native_kernels, monkeypatch):
-    monkeypatch.setattr(moe, "cpu_has_amx", lambda: False)
+@pytest.mark.parametrize("amx", [False, True])
+def test_without_native_kernels_the_torch_path_runs(no_native_kernels, monkeypatch, amx):
+    """No kernels: the backend binds the torch experts, in float32 for large groups where a
+    CPU without AMX would want it."""
     monkeypatch.setattr(moe, "native_expert", lambda *a: pytest.fail("native kernel called with kernels disabled"))
+    capability = CpuCapability.detect()
+    flags = capability.flags | {"amx_bf16", "amx_tile"} if amx else capability.flags - {"amx_bf16", "amx_tile"}
     experts, x, weights, ids, counts = moe_inputs(4, 32, 48, 150, 2)
-    assert not experts.native_fits()
+    method = CpuBackend(CpuCapability(flags, None, capability.isa, "off")).experts_method(experts)
+    assert method.kernel is None and method.upcast == (not amx)
+    experts.method = method
     with torch.no_grad():
         out = experts(x, weights, ids, counts)
     expected = moe_reference(experts, x, weights, ids)

@@ -6,11 +6,11 @@ reading the layer's weights. A `DecodeStack` describes a model's layers to the C
 once (packed weights, norms, KV caches, shapes); each step then costs one call, with a
 description of the step (positions, slots, block tables) built once from its metadata.
 
-It serves steps where every token decodes (no prefill chunk), below `max_tokens()` tokens,
+It serves steps where every token decodes (no prefill chunk), up to the policy's bound on tokens,
 in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8
 or int4), no biases, no q/k norms, a SiLU MLP and a dense bf16 KV cache; anything else
 returns None and takes the torch path, which stays the reference this one is tested against.
-The GEMMs take the kernels layers/linear.py's policy picks for the step's number of tokens.
+The GEMMs take the kernels the backend's GemmPolicy picks for the step's number of tokens.
 """
 from __future__ import annotations
 
@@ -22,24 +22,16 @@ from torch import nn
 
 from slipstream.attention.metadata import get_metadata
 from slipstream.backends.cpu import abi
+from slipstream.backends.cpu.linear import GemmPolicy
 from slipstream.kvcache.cache import LayerKVCache
-from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear, amx_gemm_available, amx_serves
-from slipstream.layers.quantization import Int4Linear, Int8Linear
+from slipstream.layers.linear import Linear
 
 
 def packed_weight(linear: nn.Module, lib: abi.Kernels) -> abi.Weight | None:
     """The C description of a projection with a native packed weight and no bias, else None."""
-    if getattr(linear, "bias", None) is not None or getattr(linear, "packed", None) is None:
+    if not isinstance(linear, Linear) or linear.bias is not None or not hasattr(linear.method, "weight_struct"):
         return None
-    if isinstance(linear, Linear) and linear.native:
-        return abi.Weight(lib.weight_kind_bf16, linear.packed.data_ptr(), None, None, linear.out_features)
-    if isinstance(linear, Int8Linear):
-        return abi.Weight(lib.weight_kind_int8, linear.packed.data_ptr(), linear.scale_f32.data_ptr(), None,
-                          linear.qweight.shape[0])
-    if isinstance(linear, Int4Linear):
-        return abi.Weight(lib.weight_kind_int4, linear.packed.data_ptr(), linear.packed_scale.data_ptr(),
-                          linear.packed_low.data_ptr(), linear.packed.shape[0] * 16)
-    return None
+    return linear.method.weight_struct(linear, lib)
 
 
 def _layer(layer: nn.Module, lib: abi.Kernels) -> abi.Layer | None:
@@ -68,15 +60,15 @@ class DecodeStack:
     backend's fused decode stack. Its description of the layers is built on first use and
     again whenever a KV cache is rebound."""
 
-    def __init__(self, layers: nn.ModuleList):
-        self.layers = layers
+    def __init__(self, layers: nn.ModuleList, policy: GemmPolicy):
+        self.layers, self.policy = layers, policy
         self._built: tuple[tuple, ctypes.Array | None] | None = None
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Runs every layer on x in place and returns True when the step is one the stack
         serves; False (x untouched) sends it down the torch path."""
         layers = self.described()
-        step = None if layers is None else decode_step(positions, x, self.layers[0].self_attn.rotary)
+        step = None if layers is None else decode_step(positions, x, self.layers[0].self_attn.rotary, self.policy)
         if step is None:
             return False
         self.run(layers, step, x)
@@ -103,24 +95,18 @@ def _dense_bf16(cache) -> bool:
     return isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and cache.k.device.type == "cpu"
 
 
-def max_tokens() -> int:
-    """Decode batches from this many tokens take the torch path: without AMX the AVX-512 GEMMs
-    lose to the fp32 upcast there (layers/linear.py); the AMX kernels serve every size."""
-    return 1 << 62 if amx_gemm_available() else UPCAST_MIN_ROWS
-
-
-def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module) -> abi.Step | None:
+def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module, policy: GemmPolicy) -> abi.Step | None:
     """The step's shared C description when every row of x is a decode token, else None;
     built once per step and kept in the metadata's step cache."""
-    meta, tokens = get_metadata(), x.shape[0]
-    if (meta.prefills or meta.num_decodes != tokens or tokens >= max_tokens() or x.dtype != torch.bfloat16
+    meta, tokens, most = get_metadata(), x.shape[0], policy.decode_stack_max_tokens()
+    if (meta.prefills or meta.num_decodes != tokens or most is not None and tokens >= most or x.dtype != torch.bfloat16
             or x.device.type != "cpu" or not x.is_contiguous() or torch.is_grad_enabled()):
         return None
     key = "native decode step"
     if key not in meta.step_cache:
         tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
         positions = positions.contiguous()
-        amx = [amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4")]  # the C code checks each K
+        amx = [policy.amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4")]  # the C code checks each K
         step = abi.Step(tokens, positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                         rotary.cos.data_ptr(), rotary.sin.data_ptr(), tables.shape[1], abi.threads(), (abi.I32 * 3)(*amx))
         meta.step_cache[key] = (step, tables, lens, positions)  # the tensors stay alive with the step
