@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from slipstream.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NewSequence:
     """A sequence the runner has not seen: its tokens so far and how to sample it."""
 
@@ -24,7 +24,7 @@ class NewSequence:
     index: int = 0  # which of the request's n samples: seeds its random stream
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSequence:
     seq_id: int
     num_new_tokens: int       # tokens whose K/V this step computes

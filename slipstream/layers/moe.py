@@ -16,7 +16,11 @@ are scatter-added back to their tokens. On a CPU without AMX, large bf16 groups 
   block into one small reused buffer for MKL's float32 GEMM, and the group's activations stay
   float32 until the weighted sum is rounded back once.
 
-Smaller groups run in bf16 either way. Options of the same block cover the families:
+Smaller groups run in bf16 either way. On a CPU with AMX every group of a SiLU expert (H, I
+multiples of 32) is one call of the kernel's AMX version: bf16 tiles, the expert's weights
+packed for them a panel at a time, silu(gate) * up rounded to bf16 once, the weighted sums
+added into one float32 output; it beats oneDNN's AMX kernel on the same expert at every group
+size (`native_expert_kernel` holds the choice). Options of the same block cover the families:
 
 - a shared expert that every token passes through, scaled by its own sigmoid gate (Qwen2-MoE);
 - Gemma 4's router: the router reads its own input (the pre-norm residual), RMS-normalised
@@ -35,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.backends.cpu import abi
-from slipstream.layers.linear import Linear, linear
+from slipstream.layers.linear import Linear, linear, silu_and_mul
 from slipstream.layers.mlp import GatedMLP, activation
 from slipstream.layers.norm import rms_norm
 from slipstream.platform import cpu_has_amx
@@ -46,8 +50,11 @@ from slipstream.platform import cpu_has_amx
 UPCAST_MIN_TOKENS = 64
 # kernels/moe_expert.c against the bf16 expert (one thread, Mixtral-shaped experts H=1024 I=2048,
 # weights from memory): 1.0x at 8 tokens, 1.4x at 16, 1.6x at 32, 1.8x at 64, so groups of 16
-# and more take the kernel, where the torch float32 path needs UPCAST_MIN_TOKENS.
-NATIVE_MIN_TOKENS = 16
+# and more take the kernel, where the torch float32 path needs UPCAST_MIN_TOKENS. Its AMX
+# version against the bf16 expert on oneDNN's AMX kernel, same shapes, on the AMX machine
+# (GFLOP/s, median of 7): 1 token 8.3 / 6.4, 4: 35 / 25, 16: 92 / 71, 64: 307 / 238, 256:
+# 639 / 407, 512: 672 / 535; so every group takes it.
+NATIVE_MIN_TOKENS = {"avx512": 16, "amx": 1}
 # Weight elements widened at a time into one reused buffer: 2 MiB of fp32 that stays in cache
 # for its GEMM, where a whole fp32 copy of each expert is written to memory and read back.
 # Measured as fast as or up to 3% faster than whole copies (1 MiB blocks were slower).
@@ -97,8 +104,9 @@ class Experts(nn.Module):
         order = ids.flatten().argsort(stable=True)  # pairs grouped by expert, expert 0 first
         token = order // k
         sizes = counts.tolist()  # one host sync per layer, not per expert
-        if _upcasts(x) and max(sizes) >= NATIVE_MIN_TOKENS and self.native_fits():
-            return self.forward_native(x.contiguous(), weights.flatten()[order].float(), token, sizes)
+        kernel = native_expert_kernel(x, max(sizes), *self.down_proj.shape[1:]) if self.native_fits() else None
+        if kernel is not None:
+            return self.forward_native(x.contiguous(), weights.flatten()[order].float(), token, sizes, kernel)
         upcast = _upcasts(x) and max(sizes) >= UPCAST_MIN_TOKENS
         xs = (x.float() if upcast else x)[token]
         ys = torch.empty_like(xs)
@@ -116,15 +124,15 @@ class Experts(nn.Module):
 
     @torch.no_grad()  # inference only: the kernel writes into `out`
     def forward_native(self, x: torch.Tensor, pair_weights: torch.Tensor, token: torch.Tensor,
-                       sizes: list[int]) -> torch.Tensor:
-        """Groups of at least NATIVE_MIN_TOKENS through `native_expert` (float32 sums added into
-        one float32 output), smaller ones through `expert` in bf16."""
+                       sizes: list[int], kernel: str) -> torch.Tensor:
+        """Groups large enough for `kernel` through `native_expert` (float32 sums added into one
+        float32 output), smaller ones through `expert` in bf16."""
         out = torch.zeros(x.shape, dtype=torch.float32)
         start = 0
         for e, n in enumerate(sizes):
             rows = slice(start, start + n)
-            if n >= NATIVE_MIN_TOKENS:
-                native_expert(x, token[rows], pair_weights[rows], self.gate_up_proj[e], self.down_proj[e], out)
+            if n >= NATIVE_MIN_TOKENS[kernel]:
+                native_expert(x, token[rows], pair_weights[rows], self.gate_up_proj[e], self.down_proj[e], out, kernel)
             elif n:
                 ys = self.expert(e, x[token[rows]]).float().mul_(pair_weights[rows].unsqueeze(1))
                 out.index_add_(0, token[rows], ys)
@@ -160,23 +168,43 @@ def widened_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, buffer:
 
 def native_expert_fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether kernels/moe_expert.c is built and takes these stacked weights: bf16, contiguous,
-    H and I multiples of 16."""
+    H and I multiples of 16 (of 32 for the AMX kernel, see `native_expert_kernel`)."""
     lib = abi.kernels()
     hidden, width = down.shape[-2:]
     laid_out = all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.device.type == "cpu" for w in (gate_up, down))
     return lib is not None and lib.moe_expert_available() == 1 and hidden % 16 == 0 and width % 16 == 0 and laid_out
 
 
+def native_expert_kernel(x: torch.Tensor, largest_group: int, hidden: int, width: int) -> str | None:
+    """Which kernel of kernels/moe_expert.c serves a layer's expert groups of bf16 rows x, the
+    largest with `largest_group` tokens, for experts of `hidden` x `width`: "amx" where its
+    tiles are usable (H and I multiples of 32), "avx512" on CPUs without AMX (where float32
+    FMAs beat bf16 dot products), or None for the torch path (oneDNN bf16, AMX itself)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    if moe_amx_available():
+        tiles = hidden % 32 == 0 and width % 32 == 0
+        return "amx" if tiles and largest_group >= NATIVE_MIN_TOKENS["amx"] else None
+    return "avx512" if _upcasts(x) and largest_group >= NATIVE_MIN_TOKENS["avx512"] else None
+
+
+def moe_amx_available() -> bool:
+    """Whether kernels/moe_expert.c was built with its AMX kernel and this process may use the tiles."""
+    lib = abi.kernels()
+    return lib is not None and lib.moe_expert_amx_available() == 1
+
+
 def native_expert(x: torch.Tensor, token: torch.Tensor, pair_weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, out: torch.Tensor) -> None:
+                  down: torch.Tensor, out: torch.Tensor, kernel: str = "avx512") -> None:
     """out[token[j]] += pair_weights[j] * down(silu(gate) * up of x[token[j]]), in float32, for one
-    expert (gate_up [2I, H], down [H, I]) on bf16 x [T, H] (kernels/moe_expert.c). `token` holds
-    distinct int64 rows; `pair_weights` is float32; `out` is float32 [T, H]."""
+    expert (gate_up [2I, H], down [H, I]) on bf16 x [T, H] (kernels/moe_expert.c) on `kernel`
+    ("avx512": float32 throughout; "amx": bf16 tiles, silu(gate) * up rounded to bf16). `token`
+    holds distinct int64 rows; `pair_weights` is float32; `out` is float32 [T, H]."""
     x, token, pair_weights = x.contiguous(), token.contiguous(), pair_weights.float().contiguous()
     hidden, width = down.shape
-    status = abi.kernels().moe_expert_silu(x.data_ptr(), token.data_ptr(), pair_weights.data_ptr(), token.numel(),
-                                           gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), hidden, width,
-                                           abi.threads())
+    run = getattr(abi.kernels(), "moe_expert_silu_amx" if kernel == "amx" else "moe_expert_silu")
+    status = run(x.data_ptr(), token.data_ptr(), pair_weights.data_ptr(), token.numel(), gate_up.data_ptr(),
+                 down.data_ptr(), out.data_ptr(), hidden, width, abi.threads())
     if status != 0:  # shapes were checked by native_expert_fits; what is left is a failed allocation
         raise MemoryError(f"native MoE expert could not allocate its buffers for {token.numel()} tokens")
 

@@ -6,10 +6,11 @@ reading the layer's weights. A `NativeDecoder` describes a model's layers to the
 once (packed weights, norms, KV caches, shapes); each step then costs one call, with a
 description of the step (positions, slots, block tables) built once from its metadata.
 
-It serves steps where every token decodes (no prefill chunk), below UPCAST_MIN_ROWS tokens,
+It serves steps where every token decodes (no prefill chunk), below `max_tokens()` tokens,
 in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8
 or int4), no biases, no q/k norms, a SiLU MLP and a dense bf16 KV cache; anything else
 returns None and takes the torch path, which stays the reference this one is tested against.
+The GEMMs take the kernels layers/linear.py's policy picks for the step's number of tokens.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch import nn
 from slipstream.attention.metadata import get_metadata
 from slipstream.backends.cpu import abi
 from slipstream.kvcache.cache import LayerKVCache
-from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear
+from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear, amx_gemm_available, amx_serves
 from slipstream.layers.quantization import Int4Linear, Int8Linear
 
 
@@ -93,18 +94,25 @@ def _dense_bf16(cache) -> bool:
     return isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and cache.k.device.type == "cpu"
 
 
+def max_tokens() -> int:
+    """Decode batches from this many tokens take the torch path: without AMX the AVX-512 GEMMs
+    lose to the fp32 upcast there (layers/linear.py); the AMX kernels serve every size."""
+    return 1 << 62 if amx_gemm_available() else UPCAST_MIN_ROWS
+
+
 def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module) -> abi.Step | None:
     """The step's shared C description when every row of x is a decode token, else None;
     built once per step and kept in the metadata's step cache."""
     meta, tokens = get_metadata(), x.shape[0]
-    if (meta.prefills or meta.num_decodes != tokens or tokens >= UPCAST_MIN_ROWS or x.dtype != torch.bfloat16
+    if (meta.prefills or meta.num_decodes != tokens or tokens >= max_tokens() or x.dtype != torch.bfloat16
             or x.device.type != "cpu" or not x.is_contiguous() or torch.is_grad_enabled()):
         return None
     key = "native decode step"
     if key not in meta.step_cache:
         tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
         positions = positions.contiguous()
+        amx = [amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4")]  # the C code checks each K
         step = abi.Step(tokens, positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                        rotary.cos.data_ptr(), rotary.sin.data_ptr(), tables.shape[1], abi.threads())
+                        rotary.cos.data_ptr(), rotary.sin.data_ptr(), tables.shape[1], abi.threads(), (abi.I32 * 3)(*amx))
         meta.step_cache[key] = (step, tables, lens, positions)  # the tensors stay alive with the step
     return meta.step_cache[key][0]

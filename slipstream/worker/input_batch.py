@@ -58,20 +58,20 @@ class InputBatch:
         context_lens = [done + n for _, done, n in rows]
         width = -(-max(context_lens) // self.block_size)
         tokens, count = sum(query_lens), len(rows)
-        ids, positions, starts = self.np["input_ids"], self.np["positions"], self.np["query_start_loc"]
         table = self.np["block_table"][:count * width].reshape(count, width)
         table[:] = 0
-        start = 0
+        new_ids = []
         for i, (seq, done, n) in enumerate(rows):
-            ids[start:start + n] = seq.token_ids[done:done + n]
-            positions[start:start + n] = np.arange(done, done + n)
+            new_ids += seq.token_ids[done:done + n]
             blocks = seq.block_ids[:width]
             table[i, :len(blocks)] = blocks
-            start += n
+        starts = self.np["query_start_loc"]
         starts[:count + 1] = np.cumsum([0, *query_lens])
         self.np["seq_lens"][:count] = context_lens
-        pos = positions[:tokens]
+        self.np["input_ids"][:tokens] = new_ids
         row = np.repeat(np.arange(count), query_lens)
+        pos = self.np["positions"][:tokens]
+        pos[:] = np.arange(tokens) + (np.array([done for _, done, _ in rows]) - starts[:count])[row]
         self.np["slot_mapping"][:tokens] = table[row, pos // self.block_size] * self.block_size + pos % self.block_size
         t = self._to_device({"input_ids": tokens, "positions": tokens, "slot_mapping": tokens,
                              "query_start_loc": count + 1, "seq_lens": count, "block_table": count * width})

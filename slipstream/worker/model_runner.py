@@ -64,7 +64,10 @@ class ModelRunner:
         rows = []
         for s in step.scheduled:
             seq = self.sequences[s.seq_id]
-            seq.block_ids = list(s.new_block_ids) if s.resumed else seq.block_ids + s.new_block_ids
+            if s.resumed:
+                seq.block_ids = list(s.new_block_ids)
+            else:
+                seq.block_ids += s.new_block_ids
             rows.append((seq, s.num_computed_tokens, s.num_new_tokens))
         return sorted(rows, key=lambda row: row[2] != 1)  # stable: decode rows first, in scheduler order
 

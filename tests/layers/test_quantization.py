@@ -138,10 +138,10 @@ def _perplexity(logprobs: torch.Tensor) -> float:
     return float((-logprobs.mean()).exp())
 
 
-# measured on 512 tokens: bf16 +0.28%, int8 +0.46%, int4 +0.36% (+5.7% with a 4-bit LM head), w8a8 +3.7%
+# measured on 512 tokens: bf16 +0.28%, int8 +0.46%, int4 +0.36% (+5.7% with a 4-bit LM head), w8a8 +3.4%
 # over transformers fp32 (the GGUF's projections are Q4_1 already, which int4 reproduces)
 PERPLEXITY_TOLERANCE = [("bfloat16", None, 0.01), ("bfloat16", "int8", 0.015), ("bfloat16", "int4", 0.015),
-                        ("bfloat16", "w8a8", 0.05)]  # w8a8 measured +3.7%
+                        ("bfloat16", "w8a8", 0.05)]  # w8a8 measured +3.4% (+5.5% with int8 activations on the LM head)
 
 
 @pytest.mark.slow

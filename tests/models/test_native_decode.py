@@ -10,9 +10,13 @@ from slipstream.models.native_decode import NativeDecoder
 from tests.conftest import build_tiny_checkpoint, random_prompts
 
 # bf16 on both sides; the paths round every intermediate alike except SiLU's exp (last float
-# bit before rounding to bf16): observed identical logprobs
+# bit before rounding to bf16): observed identical logprobs. Both paths run the same GEMM kernel
+# for a given number of tokens (layers/linear.py's policy), so this holds for the AMX kernels too.
 LOGPROB_TOL = 1e-2
 CASES = [("llama", 4, None), ("llama", 1, None), ("llama", 2, "int8"), ("llama", 2, "int4"), ("mistral", 2, None)]
+# 4 sequences decode on the AVX-512 GEMMs; 16 reach every format's
+# AMX_MIN_ROWS, so that the AMX kernels run inside the native stack where the machine has them
+SEQUENCES = [4, 16]
 
 
 def _generate(path: str, quantization: str | None, prompts: list[list[int]], **engine_args):
@@ -35,17 +39,18 @@ def _count_calls(monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("sequences", SEQUENCES)
 @pytest.mark.parametrize("family,num_kv_heads,quantization", CASES,
                          ids=[f"{f}-kv{k}-{q or 'bf16'}" for f, k, q in CASES])
-def test_native_decode_matches_the_per_kernel_path(gemm_isa, tmp_path, monkeypatch, family, num_kv_heads,
-                                                   quantization):
+def test_native_decode_matches_the_per_kernel_path(gemm_isa, tmp_path, monkeypatch, family, num_kv_heads, quantization,
+                                                    sequences):
     # mistral: a sliding window shorter than the sequences, so the window rule is exercised
     overrides = {"sliding_window": 12} if family == "mistral" else {}
     path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=num_kv_heads, seed=3, **overrides)
-    prompts = random_prompts(4, 3, 20, seed=2)  # ragged lengths: different positions and block tables per row
+    prompts = random_prompts(sequences, 3, 20, seed=2)  # ragged lengths: different positions and block tables per row
     calls = _count_calls(monkeypatch)
     llm, tokens, logprobs = _generate(path, quantization, prompts, block_size=4)
-    assert calls[0] == 9  # 9 decode steps of all four sequences
+    assert calls[0] == 9  # 9 decode steps of all the sequences
     assert llm.stats()["num_used_blocks"] == 0
     monkeypatch.setattr(NativeDecoder, "of", lambda layers: None)
     _, expected_tokens, expected_logprobs = _generate(path, quantization, prompts, block_size=4)
