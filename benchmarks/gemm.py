@@ -1,4 +1,4 @@
-"""GEMM rates per path and row count, the measurements behind layers/linear.py's policy.
+"""GEMM rates per path and row count, the measurements behind backends/cpu/linear.py's GemmPolicy.
 
 For each weight shape (SmolLM2-135M's projections and LM head, the MoE benchmark's experts)
 and each row count, every path multiplies bf16 rows by the same weights: the native kernels

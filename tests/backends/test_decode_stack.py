@@ -11,7 +11,7 @@ from tests.conftest import build_tiny_checkpoint, random_prompts
 
 # bf16 on both sides; the paths round every intermediate alike except SiLU's exp (last float
 # bit before rounding to bf16): observed identical logprobs. Both paths run the same GEMM kernel
-# for a given number of tokens (layers/linear.py's policy), so this holds for the AMX kernels too.
+# for a given number of tokens (backends/cpu/linear.py's GemmPolicy), so this holds for the AMX kernels too.
 LOGPROB_TOL = 1e-2
 CASES = [("llama", 4, None), ("llama", 1, None), ("llama", 2, "int8"), ("llama", 2, "int4"), ("mistral", 2, None)]
 # 4 sequences decode on the AVX-512 GEMMs; 16 reach every format's

@@ -19,8 +19,8 @@
 
 enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 };
 
-// A linear layer's weight [n, k] as gemm.c takes it (packed by layers/linear.py and
-// layers/quantization.py): int8 with a float32 scale per column, int4 with a scale and a
+// A linear layer's weight [n, k] as gemm.c takes it (packed by backends/cpu/linear.py):
+// int8 with a float32 scale per column, int4 with a scale and a
 // minimum per group and column.
 typedef struct {
     int32_t kind;
@@ -146,7 +146,7 @@ static int decode_layer(const Layer *l, const Step *s, uint16_t *x, uint16_t *sc
 
 // Runs `count` layers in order on x: [tokens, hidden] bf16, updated in place to the last
 // layer's output. Returns 0, or -1 when memory runs out or a shape is beyond the kernels;
-// x is then unspecified, so the caller checks shapes before (models/native_decode.py).
+// x is then unspecified, so the caller checks shapes before (backends/cpu/decode_stack.py).
 int decoder_layers_decode(const Layer *layers, int32_t count, const Step *s, uint16_t *x) {
     int64_t per_token = 0;
     for (int32_t i = 0; i < count; i++)

@@ -3,14 +3,14 @@
 // scale per output column (`gemm_int8`: half the bytes to stream), or 4-bit codes in groups of
 // 32 along K with a scale and a minimum per group and column (`gemm_int4`: a quarter). Each
 // format has an AVX-512 inner loop and, on CPUs with AMX, a tile version (`gemm_*_amx`, at the
-// end) that reads the same packed W; layers/linear.py decides which serves how many rows. What
+// end) that reads the same packed W; backends/cpu/linear.py decides which serves how many rows. What
 // they share: W packed once in blocks of 16 output columns, sums that stay in registers or
 // tiles over K, each thread an equal share of the columns.
 //
 // On CPUs without AMX, oneDNN's bf16 kernel and a vdpbf16ps kernel both top out near 75
 // GFLOP/s per core, while float32 FMAs reach 110-120: so W stays bf16 in memory (half the
 // bytes to stream) and is widened to float32 in registers, x is widened once per call.
-// bf16 W is packed once (layers/linear.py) as [N/16][K/2][16][2]: each pair of K steps of 16
+// bf16 W is packed once (backends/cpu/linear.py) as [N/16][K/2][16][2]: each pair of K steps of 16
 // output columns is one 64-byte load, and the layout of AMX's B tiles (16 pairs of K steps x
 // 16 columns). A shift (even K step) or a mask (odd) widens it to float32. A tile of MR rows x
 // 64 columns keeps its 4*MR sums in registers over the whole K loop; each thread streams its
@@ -350,7 +350,7 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
     return 0;
 }
 // --- AMX tiles ------------------------------------------------------------------------------
-// The same products on AMX's tile unit, for the row counts where it wins (layers/linear.py):
+// The same products on AMX's tile unit, for the row counts where it wins (backends/cpu/linear.py):
 // one `tdpbf16ps` multiplies a tile of 16 rows x 32 K steps of x by 32 K steps x 16 columns of
 // W into 16 x 16 float32 sums, 16 times the multiply-adds of an AVX-512 FMA (amx.h). Sums stay
 // in tiles over the whole K loop, a block of up to 32 rows x 32 columns at a time. Each thread
