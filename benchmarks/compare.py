@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from slipstream import LLM, SamplingParams
-from slipstream.layers.quantization import Int4Linear, Int8Linear, W8A8Linear
+from slipstream.layers.linear import Linear
 from throughput import load_reference, run_slipstream, run_transformers, workload
 
 PROMPT_LEN = 32
@@ -167,20 +167,22 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     Embedding rows (one per token) and norms are negligible; a tied LM head is a Linear
     over the embedding table, so the table is counted once, as the head.
     """
-    total = 0
-    for m in model.modules():
-        if isinstance(m, Int4Linear):  # what the native kernel reads, else PyTorch's (plain nibbles: prefill only)
-            tensors = [m.packed, m.packed_scale, m.packed_low] if m.packed is not None else [m.qweight, m.scales_and_zeros]
-        elif isinstance(m, Int8Linear):
-            tensors = [m.packed, m.scale_f32] if m.packed is not None else [m.qweight, m.scale]
-        elif isinstance(m, W8A8Linear):
-            tensors = [m.qweight, m.scale]
-        elif isinstance(m, torch.nn.Linear):
-            tensors = [m.weight]
-        else:
-            continue
-        total += sum(t.numel() * t.element_size() for t in tensors)
-    return total
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    return sum(t.numel() * t.element_size() for m in layers for t in _read_by(m))
+
+
+def _read_by(layer: Linear) -> list[torch.Tensor]:
+    """What a decode step's GEMM reads of a layer: the native kernels' packed copy where the
+    layer has one, else PyTorch's layout (int4's plain nibbles serve prefill only)."""
+    fmt = layer.method.name
+    if fmt == "int4":
+        native = hasattr(layer, "packed_low")
+        return [layer.packed, layer.packed_scale, layer.packed_low] if native else [layer.qweight, layer.scales_and_zeros]
+    if fmt == "int8":
+        return [layer.packed, layer.scale_f32] if hasattr(layer, "scale_f32") else [layer.qweight, layer.scale]
+    if fmt == "w8a8":
+        return [layer.qweight, layer.scale]
+    return [layer.weight]
 
 
 # --- main ------------------------------------------------------------------------------

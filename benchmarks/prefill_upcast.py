@@ -1,6 +1,6 @@
 """512-token prefill on SmolLM2 (bf16) with large GEMMs in bf16 vs upcast to fp32.
 
-A/B in one process: the same engine alternates `layers.linear.UPCAST_MIN_ROWS` between
+A/B in one process: the same engine alternates `backends.cpu.linear.UPCAST_MIN_ROWS` between
 "never" and its default, five times, and prints medians and the ratio.
 
     python benchmarks/prefill_upcast.py
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-import slipstream.layers.linear as linear
+import slipstream.backends.cpu.linear as linear
 from slipstream import LLM, SamplingParams
 
 

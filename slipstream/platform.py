@@ -1,10 +1,9 @@
 """Which device to run on and which compute dtype it does natively."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from slipstream.backends.cpu.capability import cpu_flags
 from slipstream.config import DTYPES
 
 
@@ -20,27 +19,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-@functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: native bf16 arithmetic; decode then reads half the bytes of fp32.
 
-    Large bf16 GEMMs are still slower than fp32 without AMX; layers/linear.py handles that.
+    Large bf16 GEMMs are still slower than fp32 without AMX; the CPU backend handles that.
     """
-    flags = _cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-@functools.cache
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def cpu_has_amx() -> bool:
-    return "amx_bf16" in _cpu_flags()
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -2,12 +2,24 @@
 
 Every field is validated at construction, so a bad value is reported to the caller
 with its name, the value received and what is allowed, before it reaches the engine.
+
+No accepted value may break the sampler's float32 arithmetic. A value that underflows
+there means its limit: a temperature below 1e-5 is greedy (vLLM's threshold), one beyond
+float32's range samples uniformly, a top_p that rounds to 0 keeps the most likely token,
+a min_p that rounds to 0 keeps every token. Where the limit is no sensible distribution the
+range is narrower than the formula allows: repetition_penalty in [0.01, 100] (beyond it a
+seen token's logit is scaled past any real logit, and near 0 or infinity it overflows).
+Lists of token ids are kept without duplicates: they are sets, and at most a vocabulary long.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from slipstream.structured.params import StructuredOutputsParams
+
+GREEDY_TEMPERATURE = 1e-5  # below it, sampling is greedy
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -38,7 +50,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = _unique(self.stop_token_ids or [])
+        if isinstance(self.allowed_token_ids, list):
+            self.allowed_token_ids = _unique(self.allowed_token_ids)
         if self.top_k in (None, -1):
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
@@ -47,7 +61,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def _validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
@@ -58,8 +72,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_num(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", self.repetition_penalty, "a number > 0")
+        low, high = REPETITION_PENALTY_RANGE
+        _check(_is_num(self.repetition_penalty) and low <= self.repetition_penalty <= high,
+               "repetition_penalty", self.repetition_penalty, f"a number in [{low:g}, {high:g}] (1 = no penalty)")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "an integer >= 1 or None")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
@@ -99,7 +114,15 @@ def _is_int(value) -> bool:
 
 
 def _is_num(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _unique(values) -> list:
+    """The values in their first order, each once (unhashable values are left for _validate to reject)."""
+    try:
+        return list(dict.fromkeys(values))
+    except TypeError:
+        return list(values)
 
 
 def _check(ok: bool, name: str, value, allowed: str) -> None:

@@ -72,6 +72,31 @@ def build_tiny_checkpoint(path: str, family: str = "llama", num_kv_heads: int = 
     return path
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_tokenizer(path: str) -> str:
+    """A byte-level BPE of TINY_VOCAB tokens (specials 0, 1, 2 = <|endoftext|>, <|im_start|>, <|im_end|>,
+    the tiny checkpoints' bos 1 and eos 2) with a ChatML chat template, trained on stdlib docstrings."""
+    import argparse
+    import json
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator([m.__doc__ for m in (argparse, json, string)], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                            chat_template=CHATML).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")), "llama", num_kv_heads=2)

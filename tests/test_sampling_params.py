@@ -13,6 +13,9 @@ INVALID = [
     ("logprobs", -1), ("prompt_logprobs", 100), ("temperature", float("nan")),
     ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", [5]),
     ("allowed_token_ids", []), ("allowed_token_ids", [1, -2]), ("allowed_token_ids", 7),
+    ("temperature", float("inf")), ("top_p", -1e-300), ("repetition_penalty", 1e-308),
+    ("repetition_penalty", 0.009), ("repetition_penalty", 101), ("repetition_penalty", float("inf")),
+    ("presence_penalty", float("-inf")),
 ]
 
 
@@ -32,3 +35,14 @@ def test_defaults_and_normalisation():
     p = SamplingParams(top_k=-1, stop="###")
     assert p.top_k == 0 and p.stop_list == ["###"] and p.stop_token_ids == []
     assert SamplingParams(temperature=0).greedy
+
+
+@pytest.mark.parametrize("temperature,greedy", [(0, True), (5e-324, True), (1e-300, True), (9.99e-6, True),
+                                                (1e-5, False), (0.7, False), (1e300, False)])
+def test_temperature_below_1e_5_is_greedy(temperature, greedy):
+    assert SamplingParams(temperature=temperature).greedy is greedy
+
+
+def test_token_id_lists_are_sets():
+    p = SamplingParams(stop_token_ids=[5, 3, 5, 5], allowed_token_ids=[7, 7, 1])
+    assert p.stop_token_ids == [5, 3] and p.allowed_token_ids == [7, 1]

@@ -16,10 +16,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from slipstream.layers.linear import Linear
-from slipstream.layers.moe import Experts
+from slipstream.layers.linear import Linear, LinearMethod
+from slipstream.layers.moe import Experts, ExpertsMethod
+from slipstream.layers.quantization import quantization_of
 
-LinearMethod = Callable[[torch.Tensor], torch.Tensor]
 # attention(q, k, v, cache, metadata, scale, sliding_window) -> out
 AttentionImpl = Callable[..., torch.Tensor]
 
@@ -31,17 +31,20 @@ class Backend:
         self.device = device
 
     # --- what a backend provides ---------------------------------------------------------
-    def linear_method(self, layer: Linear, quantization: str | None) -> LinearMethod:
+    def linear_method(self, layer: Linear, fmt: str | None) -> LinearMethod:
+        """The method for a loaded layer whose weight format is `fmt` (None: as loaded, or a
+        quantization in QUANTIZATION_METHODS)."""
         raise NotImplementedError
 
     def attention(self, cache) -> AttentionImpl:
         raise NotImplementedError
 
-    def experts_method(self, experts: Experts):
+    def experts_method(self, experts: Experts) -> ExpertsMethod:
         raise NotImplementedError
 
     def decode_stack(self, model: nn.Module):
-        """A callable running whole decode steps in one go, or None."""
+        """A callable (positions, x) -> bool running all of `model`'s decoder layers in one go
+        for the steps it serves (True), or None where the backend has none."""
         return None
 
     def describe(self) -> list[str]:
@@ -50,10 +53,10 @@ class Backend:
 
     # --- binding ---------------------------------------------------------------------------
     def prepare(self, model: nn.Module, quantization: str | None) -> None:
-        """Give every Linear and Experts block of a loaded model (on its device) its method."""
+        """Bind every Linear and Experts block of a loaded model (on its device) to its method."""
         for name, module in model.named_modules():
             if isinstance(module, Linear):
-                module.method = self.linear_method(module, quantization_of(name, module, quantization))
+                module.bind(self.linear_method(module, quantization_of(name, module, quantization)))
             elif isinstance(module, Experts):
                 module.method = self.experts_method(module)
 
@@ -61,16 +64,3 @@ class Backend:
         for attn, cache in zip(layers, caches, strict=True):
             attn.bind(cache, self.attention(cache))
 
-
-INT4_GROUP_SIZE = 32  # int4 groups along K: the layout of GGUF's Q4_1
-
-
-def quantization_of(name: str, layer: Linear, quantization: str | None) -> str | None:
-    """A layer's format under the model's `quantization`: with int4 the LM head is int8, as
-    llama.cpp's 4-bit recipes keep the output matrix at 6-8 bits (on SmolLM2 a 4-bit head alone
-    cost ~5% perplexity), and a layer whose inputs do not split into int4 groups stays dense."""
-    if quantization != "int4":
-        return quantization
-    if name == "lm_head":
-        return "int8"
-    return quantization if layer.in_features % INT4_GROUP_SIZE == 0 else None

@@ -7,8 +7,13 @@ the engine from one thread is the lock: a mutex taken by request handlers would 
 starved by the step loop, which re-takes it as soon as it lets go. Commands run between
 steps, so an abort takes effect before the next step and frees the request's KV blocks.
 
+Input processing (tokenizing, chat templates) runs on one input thread of its own, never
+on the engine thread, whose every pause stalls all running requests, nor on the event
+loop, which carries every stream: the engine thread only queues token ids. One thread, as
+vLLM's server has, because a tokenizer is not safe to call from several at once.
+
 This module must never block the event loop, and one request's bad input must never stop
-the others: add_request validates in the engine, and its error goes back to the caller.
+the others: add_request validates on the input thread, and its error goes back to the caller.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 from slipstream.engine.engine import LLMEngine
 from slipstream.outputs import RequestOutput
@@ -27,6 +32,7 @@ logger = logging.getLogger("slipstream")
 
 # A command for the engine thread, and the future its caller waits on (if any).
 _Command = tuple[Callable[[], None], "concurrent.futures.Future | None"]
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -92,22 +98,24 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="slipstream-engine", daemon=True)
+        self._inputs = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-input")
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread after its current step; pending requests get EngineDeadError."""
+    def shutdown(self, timeout: float = 30.0, reason: str = "the server is shutting down") -> None:
+        """Stop the engine thread after its current step; pending requests get EngineDeadError(reason)."""
         self._stopping = True
         self._wakeup.set()
+        self._inputs.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._die(EngineDeadError("the server is shutting down"))
+        self._die(EngineDeadError(reason))
 
     @property
     def processor(self):
-        """The engine's InputProcessor (tokenizer, chat template, token-id checks): safe from any thread."""
+        """The engine's InputProcessor (tokenizer, chat template, token-id checks); tokenize through run_input."""
         return self.engine.processor
 
     @property
@@ -122,10 +130,11 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           arrival_time: float | None = None, cache_salt: str | None = None,
                           stream: OutputStream | None = None) -> OutputStream:
-        """Queue a request; raises the engine's ValueError if it is invalid or can never fit."""
+        """Queue a request; raises the processor's or engine's ValueError if it is invalid or can never fit."""
+        processed = await self.run_input(self.processor.process, prompt, params)
         stream = stream or self.open_stream()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(lambda: self._add(request_id, prompt, params, arrival_time, cache_salt, stream, done), done)
+        self._submit(lambda: self._add(request_id, processed, arrival_time, cache_salt, stream, done), done)
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -133,6 +142,20 @@ class AsyncLLMEngine:
             raise
         stream.unfinished.add(request_id)
         return stream
+
+    async def run_input(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the input thread: tokenizing and chat templates never block the engine or the event loop."""
+        self._check_running()
+        try:
+            future = self._inputs.submit(fn, *args)
+        except RuntimeError:  # the pool was shut down in between
+            raise EngineDeadError("the engine is not running: shutting down") from None
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if future.cancelled() and not asyncio.current_task().cancelling():  # shutdown dropped it, not the caller
+                raise EngineDeadError("the engine is not running: shutting down") from None
+            raise
 
     def abort(self, request_id: str) -> None:
         """Abort a request before the next step; safe from any thread, a no-op once finished."""
@@ -147,10 +170,13 @@ class AsyncLLMEngine:
 
     def _submit(self, command: Callable[[], None], done: concurrent.futures.Future | None = None) -> None:
         with self._submit_lock:
-            if self._dead is not None or self._stopping:
-                raise EngineDeadError(f"the engine is not running: {self._dead or 'shutting down'}")
+            self._check_running()
             self._commands.put((command, done))
         self._wakeup.set()
+
+    def _check_running(self) -> None:
+        if self._dead is not None or self._stopping:
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'shutting down'}")
 
     # --- the engine thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -175,11 +201,11 @@ class AsyncLLMEngine:
                 return
             command()
 
-    def _add(self, request_id, prompt, params, arrival_time, cache_salt, stream, done) -> None:
+    def _add(self, request_id, processed, arrival_time, cache_salt, stream, done) -> None:
         if not done.set_running_or_notify_cancel():
             return
         try:
-            self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt)
+            self.engine.add_processed(request_id, processed, arrival_time=arrival_time, cache_salt=cache_salt)
         except Exception as e:  # noqa: BLE001 - the request's own error; the engine is unchanged
             done.set_exception(e)
             return

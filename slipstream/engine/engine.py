@@ -21,7 +21,7 @@ from slipstream.backends.select import select_backend
 from slipstream.config import EngineConfig
 from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.output import OutputProcessor
-from slipstream.engine.processor import InputProcessor
+from slipstream.engine.processor import InputProcessor, ProcessedPrompt
 from slipstream.engine.request import Request
 from slipstream.engine.scheduler import Scheduler
 from slipstream.engine.scheduler_output import SchedulerOutput
@@ -109,7 +109,15 @@ class LLMEngine:
         """Validate and queue a request; a request that can never run is rejected here."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_text, token_ids, params = self.processor.process(prompt, params or SamplingParams())
+        self.add_processed(request_id, self.processor.process(prompt, params or SamplingParams()), arrival_time,
+                           cache_salt)
+
+    def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None,
+                      cache_salt: str | None = None) -> None:
+        """Queue a request that self.processor has already validated (the server tokenizes on its own thread)."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_text, token_ids, params = processed
         grammar = self._submit_grammar(request_id, params)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         seqs = [Sequence(request_id, token_ids, params, metrics, i, cache_salt, grammar) for i in range(params.n)]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.layers.linear import Linear
+from slipstream.layers.linear import Linear, silu_and_mul
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -31,5 +31,7 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is F.silu:  # the gate/up GEMM may apply it in its epilogue
+            return self.down_proj(silu_and_mul(self.gate_up_proj, x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

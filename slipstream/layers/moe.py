@@ -5,18 +5,9 @@ One `SparseMoeBlock` replaces a dense MLP. The router scores every expert for ev
 experts' weights are stacked tensors, `gate_up_proj` [E, 2*I, H] and `down_proj` [E, H, I]
 (transformers 5's fused layout). Execution is grouped by expert: the (token, expert) pairs
 are sorted by expert, each expert runs once on all its tokens, and the weighted outputs
-are scatter-added back to their tokens. On a CPU without AMX, large bf16 groups run in float32
-(as layers/linear.py does for dense layers), where float32 FMAs outrun bf16 dot products:
-
-- with native kernels built (AVX-512; SiLU experts; H, I multiples of 16), each group of at
-  least NATIVE_MIN_TOKENS tokens is one call of kernels/moe_expert.c: gather, gate/up GEMM,
-  silu(gate) * up and down GEMM in float32 on weights widened a panel at a time, the weighted
-  sums added into one float32 output (no float32 copy of the weights is kept);
-- otherwise groups of at least UPCAST_MIN_TOKENS widen the expert's bf16 weights block by
-  block into one small reused buffer for MKL's float32 GEMM, and the group's activations stay
-  float32 until the weighted sum is rounded back once.
-
-Smaller groups run in bf16 either way. Options of the same block cover the families:
+are scatter-added back to their tokens; how the groups run is the `ExpertsMethod` a backend
+binds (backends/cpu/moe.py: native expert kernels, float32 for large groups). Options of the
+same block cover the families:
 
 - a shared expert that every token passes through, scaled by its own sigmoid gate (Qwen2-MoE);
 - Gemma 4's router: the router reads its own input (the pre-norm residual), RMS-normalised
@@ -28,30 +19,17 @@ names (models/weights.py stacks per-expert tensors into this layout).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.backends.cpu import abi
-from slipstream.layers.linear import Linear, linear
+from slipstream.layers.linear import Linear
 from slipstream.layers.mlp import GatedMLP, activation
 from slipstream.layers.norm import rms_norm
-from slipstream.platform import cpu_has_amx
 
-# Measured on the development machine (AVX512-BF16, no AMX), one expert whose weights come from memory: fp32
-# GEMMs plus widening the weights overtake oneDNN's bf16 kernel at 48-64 tokens (1.07x at 64,
-# 1.3x at 128), so experts upcast from 64 rows where dense layers (linear.py) wait for 128.
-UPCAST_MIN_TOKENS = 64
-# kernels/moe_expert.c against the bf16 expert (one thread, Mixtral-shaped experts H=1024 I=2048,
-# weights from memory): 1.0x at 8 tokens, 1.4x at 16, 1.6x at 32, 1.8x at 64, so groups of 16
-# and more take the kernel, where the torch float32 path needs UPCAST_MIN_TOKENS.
-NATIVE_MIN_TOKENS = 16
-# Weight elements widened at a time into one reused buffer: 2 MiB of fp32 that stays in cache
-# for its GEMM, where a whole fp32 copy of each expert is written to memory and read back.
-# Measured as fast as or up to 3% faster than whole copies (1 MiB blocks were slower).
-WIDEN_BLOCK = 1 << 19
 
 class TopKRouter(nn.Module):
     """Scores -> softmax (float32) -> top-k; returns (weights [T, k] float32, expert ids [T, k])."""
@@ -80,8 +58,36 @@ class TopKRouter(nn.Module):
         return weights, ids
 
 
+@dataclass
+class ExpertGroups:
+    """A layer's (token, expert) pairs sorted by expert: `token[j]` and `pair_weights[j]` (float32)
+    of pair j; expert e takes the `sizes[e]` pairs after those of experts 0..e-1."""
+    token: torch.Tensor
+    pair_weights: torch.Tensor
+    sizes: list[int]
+
+
+class ExpertsMethod:
+    """How a backend runs the expert groups: here each expert once on its tokens, in the model
+    dtype, the weighted outputs scatter-added back."""
+
+    name = "torch"
+
+    def apply(self, experts: Experts, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        xs, start = x[groups.token], 0
+        ys = torch.empty_like(xs)
+        for e, n in enumerate(groups.sizes):
+            if n:
+                ys[start:start + n] = experts.expert(e, xs[start:start + n])
+            start += n
+        ys.mul_(groups.pair_weights.unsqueeze(1).to(ys.dtype))
+        return x.new_zeros(x.shape).index_add_(0, groups.token, ys)
+
+
 class Experts(nn.Module):
-    """E gated MLPs held as stacked weights, run grouped by expert."""
+    """E gated MLPs held as stacked weights, run grouped by expert by the method a backend binds."""
+
+    method = ExpertsMethod()
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__()
@@ -93,96 +99,14 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 counts: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]; counts [E] = pairs per expert. Returns [T, H]."""
-        k = ids.shape[1]
         order = ids.flatten().argsort(stable=True)  # pairs grouped by expert, expert 0 first
-        token = order // k
-        sizes = counts.tolist()  # one host sync per layer, not per expert
-        if _upcasts(x) and max(sizes) >= NATIVE_MIN_TOKENS and self.native_fits():
-            return self.forward_native(x.contiguous(), weights.flatten()[order].float(), token, sizes)
-        upcast = _upcasts(x) and max(sizes) >= UPCAST_MIN_TOKENS
-        xs = (x.float() if upcast else x)[token]
-        ys = torch.empty_like(xs)
-        buffer = torch.empty(max(WIDEN_BLOCK, *self.gate_up_proj.shape[2:], *self.down_proj.shape[2:])) if upcast else None
-        start = 0
-        for e, n in enumerate(sizes):
-            rows = slice(start, start + n)
-            if upcast and n >= UPCAST_MIN_TOKENS:
-                self.expert_fp32(e, xs[rows], ys[rows], buffer)
-            elif n:
-                ys[rows] = self.expert(e, xs[rows].to(x.dtype))
-            start += n
-        ys.mul_(weights.flatten()[order].unsqueeze(1).to(ys.dtype))
-        return x.new_zeros(x.shape, dtype=ys.dtype).index_add_(0, token, ys).to(x.dtype)
-
-    @torch.no_grad()  # inference only: the kernel writes into `out`
-    def forward_native(self, x: torch.Tensor, pair_weights: torch.Tensor, token: torch.Tensor,
-                       sizes: list[int]) -> torch.Tensor:
-        """Groups of at least NATIVE_MIN_TOKENS through `native_expert` (float32 sums added into
-        one float32 output), smaller ones through `expert` in bf16."""
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        start = 0
-        for e, n in enumerate(sizes):
-            rows = slice(start, start + n)
-            if n >= NATIVE_MIN_TOKENS:
-                native_expert(x, token[rows], pair_weights[rows], self.gate_up_proj[e], self.down_proj[e], out)
-            elif n:
-                ys = self.expert(e, x[token[rows]]).float().mul_(pair_weights[rows].unsqueeze(1))
-                out.index_add_(0, token[rows], ys)
-            start += n
-        return out.to(x.dtype)
-
-    def native_fits(self) -> bool:
-        return self.silu and native_expert_fits(self.gate_up_proj, self.down_proj)
+        groups = ExpertGroups(order // ids.shape[1], weights.flatten()[order].float(),
+                              counts.tolist())  # one host sync per layer, not per expert
+        return self.method.apply(self, x, groups)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return linear(self.act(gate) * up, self.down_proj[e])
-
-    @torch.no_grad()  # inference only: out= and in-place ops
-    def expert_fp32(self, e: int, x: torch.Tensor, out: torch.Tensor, buffer: torch.Tensor) -> None:
-        """Expert e on float32 rows x, in float32, written into `out`."""
-        h = widened_mm(x, self.gate_up_proj[e], x.new_empty(x.shape[0], self.gate_up_proj.shape[1]), buffer)
-        width = h.shape[1] // 2
-        gated = h[:, width:].mul_(self.act(h[:, :width]))
-        widened_mm(gated, self.down_proj[e], out, buffer)
-
-
-def widened_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """out = x @ weight.T for a float32 x and a bf16 weight, widening the weight a block of rows
-    at a time into `buffer` (flat float32, at least one row long)."""
-    block = buffer.numel() // weight.shape[1]
-    for i in range(0, weight.shape[0], block):
-        rows = weight[i:i + block]
-        wide = buffer[:rows.numel()].view(rows.shape).copy_(rows)
-        torch.mm(x, wide.t(), out=out[:, i:i + block])
-    return out
-
-
-def native_expert_fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether kernels/moe_expert.c is built and takes these stacked weights: bf16, contiguous,
-    H and I multiples of 16."""
-    lib = abi.kernels()
-    hidden, width = down.shape[-2:]
-    laid_out = all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.device.type == "cpu" for w in (gate_up, down))
-    return lib is not None and lib.moe_expert_available() == 1 and hidden % 16 == 0 and width % 16 == 0 and laid_out
-
-
-def native_expert(x: torch.Tensor, token: torch.Tensor, pair_weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, out: torch.Tensor) -> None:
-    """out[token[j]] += pair_weights[j] * down(silu(gate) * up of x[token[j]]), in float32, for one
-    expert (gate_up [2I, H], down [H, I]) on bf16 x [T, H] (kernels/moe_expert.c). `token` holds
-    distinct int64 rows; `pair_weights` is float32; `out` is float32 [T, H]."""
-    x, token, pair_weights = x.contiguous(), token.contiguous(), pair_weights.float().contiguous()
-    hidden, width = down.shape
-    status = abi.kernels().moe_expert_silu(x.data_ptr(), token.data_ptr(), pair_weights.data_ptr(), token.numel(),
-                                           gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), hidden, width,
-                                           abi.threads())
-    if status != 0:  # shapes were checked by native_expert_fits; what is left is a failed allocation
-        raise MemoryError(f"native MoE expert could not allocate its buffers for {token.numel()} tokens")
-
-
-def _upcasts(x: torch.Tensor) -> bool:
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_has_amx()
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_proj[e])
 
 
 class SparseMoeBlock(nn.Module):

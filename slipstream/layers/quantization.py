@@ -1,73 +1,133 @@
-"""Quantized linear layers: weight-only int8 / int4, and int8 weights with int8 activations.
+"""Quantized weight formats and their plain-torch linear methods: weight-only int8 / int4, and
+int8 weights with int8 activations.
 
 Single-stream decode reads every weight once per token, so its speed is bytes of weights
 over memory bandwidth: int8 halves the bytes of bf16, int4 quarters them. For those two
-methods the multiply runs in the native GEMM (kernels/gemm.c: integer dot products against
-16-bit fixed-point activations, an error far below bf16's rounding of those activations)
-where it is built, else in PyTorch's own CPU kernels (`_weight_int8pack_mm`,
-`_weight_int4pack_mm_for_cpu`); either way the weights' quantization is the only one that
-counts. `w8a8` also quantizes activations to int8 (per token, at run time) so that batches
+methods the multiply runs here in PyTorch's own CPU kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`); the CPU backend's methods (backends/cpu/linear.py) extend
+these with the native GEMMs on packed copies of the same codes (integer dot products
+against 16-bit fixed-point activations, an error far below bf16's rounding of those
+activations). Either way the weights' quantization is the only one that counts. `w8a8` also quantizes activations to int8 (per token, at run time) so that batches
 run on the int8 GEMM, which is the fastest arithmetic this CPU has; it costs more quality.
 
 - int8: symmetric, one scale per output channel, w = q * s with q in [-127, 127].
 - int4: asymmetric groups of INT4_GROUP_SIZE input channels (the layout of GGUF's Q4_1),
   w = q * s + m with q in [0, 15]; the kernel takes (s, m + 8s) per group.
 
-Large batches (prefill chunks) are compute bound rather than bandwidth bound, and the
-packed kernels are slower than a plain GEMM there, so from UPCAST_MIN_ROWS rows on the
-weight is dequantized to fp32 for that call (layers/linear.py says why fp32).
-Embedding tables stay in the model dtype (a lookup reads one row per token); a tied LM
-head gets its own quantized copy. MoE experts (stacked weight tensors) are not quantized.
+Large batches (prefill chunks) are compute bound rather than bandwidth bound, and PyTorch's
+packed kernels are slower than a plain GEMM there, so from DEQUANTIZE_MIN_ROWS rows on the
+weight is dequantized to fp32 for that call. A method replaces the layer's loaded weight by
+its codes (`create`). Embedding tables stay in the model dtype (a lookup reads one row per
+token); a tied LM head gets its own quantized copy. MoE experts (stacked weight tensors) are
+not quantized.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from slipstream.config import QUANTIZATION_METHODS
-from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear, native_gemm_fits, native_matmul
+from slipstream.layers.linear import Linear, LinearMethod
 
-INT4_GROUP_SIZE = 32
-
-
-class _WeightOnlyLinear(nn.Module):
-    """Subclasses hold the packed weight and provide `packed_mm(x)` and `dequantized(dtype)`."""
-
-    bias: torch.Tensor | None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= UPCAST_MIN_ROWS:  # compute bound: dequantize, multiply in fp32
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.dequantized(torch.float32), bias).to(x.dtype)
-        out = self.packed_mm(x)
-        return out if self.bias is None else out + self.bias
+INT4_GROUP_SIZE = 32  # int4 groups along K: the layout of GGUF's Q4_1
+DEQUANTIZE_MIN_ROWS = 128
 
 
-class Int8Linear(_WeightOnlyLinear):
-    """With the native GEMM (kernels/gemm.c) bf16 batches multiply the codes in integer
-    arithmetic, against 16-bit fixed-point activations; its codes are a second, packed copy."""
+def quantization_of(name: str, layer: Linear, quantization: str | None) -> str | None:
+    """A layer's format under the model's `quantization`.
 
-    def __init__(self, layer: nn.Linear):
-        super().__init__()
-        qweight, scale = _int8_per_channel(layer.weight)
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scale", scale.to(layer.weight.dtype))
-        native = layer.weight.dtype == torch.bfloat16 and native_gemm_fits(qweight) and qweight.shape[1] % 2 == 0
-        self.register_buffer("packed", _pack_pairs(qweight) if native else None)
-        self.register_buffer("scale_f32", scale.to(self.scale.dtype).float() if native else None)
-        self.bias = layer.bias
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
-
-    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dtype == torch.bfloat16:
-            return native_matmul(x, self.packed, self.scale_f32)
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
+    With int4 the LM head is int8, as llama.cpp's 4-bit recipes keep the output matrix at
+    6-8 bits: on SmolLM2 a 4-bit head alone cost ~5% perplexity. With w8a8 it keeps int8
+    weights but 16-bit activations (weight-only int8): int8 activations on the head alone cost
+    2.1 points of perplexity (512 tokens: +5.5% -> +3.4% over fp32), and the rest moved by a
+    point with any last-bit change upstream (a norm's rounding, the bf16 attention kernel),
+    which put the test's 5% bound within the noise of the arithmetic. A layer whose inputs do
+    not split into int4 groups stays dense.
+    """
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={quantization!r} is not supported; allowed: {', '.join(QUANTIZATION_METHODS)}")
+    if quantization in ("int4", "w8a8") and name == "lm_head":
+        return "int8"
+    if quantization == "int4" and layer.in_features % INT4_GROUP_SIZE:
+        return None
+    return quantization
 
 
-class W8A8Linear(nn.Module):
+def replace_weight(layer: Linear, **buffers: torch.Tensor) -> None:
+    """The layer's loaded weight gives way to a format's tensors (a tied head's embedding keeps its own)."""
+    layer.weight = None
+    for name, value in buffers.items():
+        layer.register_buffer(name, value)
+
+
+def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
+
+
+class WeightOnly(LinearMethod):
+    """Codes in memory, 16-bit activations: subclasses provide `dequantized` and `packed_mm`."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= DEQUANTIZE_MIN_ROWS:  # compute bound: dequantize, multiply in fp32
+            bias = None if layer.bias is None else layer.bias.float()
+            return F.linear(x.float(), self.dequantized(layer, torch.float32), bias).to(x.dtype)
+        return _plus_bias(self.packed_mm(layer, x), layer.bias)
+
+    def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def packed_mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8(WeightOnly):
+    name = "int8"
+
+    def create(self, layer: Linear) -> None:
+        qweight, scale = int8_per_channel(layer.weight)
+        replace_weight(layer, qweight=qweight, scale=scale.to(layer.weight.dtype))
+
+    def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        return layer.qweight.to(dtype) * layer.scale.to(dtype)[:, None]
+
+    def packed_mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scale.to(x.dtype))
+
+
+class Int4(WeightOnly):
+    name = "int4"
+
+    def create(self, layer: Linear) -> None:
+        n, k = layer.weight.shape
+        w = layer.weight.detach().float().reshape(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
+        replace_weight(
+            layer, qweight=torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1),
+            # the kernel's tiled layout is private, so large batches dequantize from plain nibbles
+            nibbles=q[:, 0::2] | (q[:, 1::2] << 4),
+            # [groups, out_features, (scale, zero)] as the kernel wants; its zero point sits at q = 8
+            scales_and_zeros=torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
+            .to(layer.weight.dtype))
+
+    @staticmethod
+    def codes(layer: Linear) -> torch.Tensor:
+        """The layer's 4-bit codes, one uint8 per weight [N, K]."""
+        return torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1).flatten(1)
+
+    def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        """(q - 8) * scale + zero, with the kernel's own (rounded) scales and zeros."""
+        scale, zero = layer.scales_and_zeros.to(dtype).transpose(0, 1).unbind(-1)
+        q = self.codes(layer).to(dtype).reshape(*scale.shape, INT4_GROUP_SIZE)
+        return ((q - 8) * scale[..., None] + zero[..., None]).flatten(1)
+
+    def packed_mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP_SIZE,
+                                                          layer.scales_and_zeros.to(x.dtype))
+
+
+class W8A8(LinearMethod):
     """int8 weights (per channel) times int8 activations (per token, scaled at run time).
 
     The int8 x int8 -> int32 GEMM (`torch._int_mm`, AVX512-VNNI) measured ~450 GOP/s per
@@ -75,103 +135,28 @@ class W8A8Linear(nn.Module):
     (prefill, batched decode) run several times faster than any float path here.
     """
 
-    def __init__(self, layer: nn.Linear):
-        super().__init__()
-        qweight, scale = _int8_per_channel(layer.weight)
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scale", scale)
-        self.bias = layer.bias
+    name = "w8a8"
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
+    def create(self, layer: Linear) -> None:
+        qweight, scale = int8_per_channel(layer.weight)
+        replace_weight(layer, qweight=qweight, scale=scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        return layer.qweight.to(dtype) * layer.scale.to(dtype)[:, None]
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         x_scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
         xq = torch.round(xf / x_scale).to(torch.int8)
-        out = torch._int_mm(xq, self.qweight.t()).float().mul_(x_scale).mul_(self.scale)
-        if self.bias is not None:
-            out += self.bias
-        return out.to(x.dtype)
+        out = torch._int_mm(xq, layer.qweight.t()).float().mul_(x_scale).mul_(layer.scale)
+        return _plus_bias(out, layer.bias).to(x.dtype)
 
 
-def _pack_pairs(codes: torch.Tensor) -> torch.Tensor:
-    """[N, K] int8 -> [N/16, K/2, 16, 2]: pairs of K steps of 16 output columns (kernels/gemm.c)."""
-    n, k = codes.shape
-    return codes.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
-
-
-def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes [N, K] and float32 scales [N], one per output channel."""
     w = weight.detach().float()
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
     return torch.round(w / scale[:, None]).to(torch.int8), scale
 
 
-class Int4Linear(_WeightOnlyLinear):
-    def __init__(self, layer: nn.Linear):
-        super().__init__()
-        n, k = layer.weight.shape
-        w = layer.weight.detach().float().reshape(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-        low, high = w.amin(dim=-1), w.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1))
-        # the kernel's tiled layout is private, so large batches dequantize from plain nibbles
-        self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))
-        # [groups, out_features, (scale, zero)] as the kernel wants; its zero point sits at q = 8
-        self.register_buffer("scales_and_zeros", torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)
-                             .contiguous().to(layer.weight.dtype))
-        native = layer.weight.dtype == torch.bfloat16 and native_gemm_fits(q)
-        for name, value in zip(("packed", "packed_scale", "packed_low"), self._pack_native(q) if native else [None] * 3):
-            self.register_buffer(name, value)
-        self.bias = layer.bias
-
-    def _pack_native(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For kernels/gemm.c: codes as [N/16, K/8, 16, 4] bytes, eight K steps per column's
-        dword with nibbles in the order 0 2 4 6 1 3 5 7; scale and low (the group's minimum)
-        [N/16, groups, 16] float32 from the kernel's own rounded values."""
-        n, k = q.shape
-        steps = q.view(n // 16, 16, k // 8, 8)[..., [0, 2, 4, 6, 1, 3, 5, 7]]
-        packed = (steps[..., 0::2] | (steps[..., 1::2] << 4)).transpose(1, 2).contiguous()
-        scale, zero = self.scales_and_zeros.float().unbind(-1)  # [groups, N]
-        by_block = lambda t: t.view(t.shape[0], n // 16, 16).transpose(0, 1).contiguous()
-        return packed, by_block(scale), by_block(zero - 8 * scale)
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """(q - 8) * scale + zero, with the kernel's own (rounded) scales and zeros."""
-        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).to(dtype)
-        scale, zero = self.scales_and_zeros.to(dtype).transpose(0, 1).unbind(-1)
-        q = q.reshape(*scale.shape, INT4_GROUP_SIZE)
-        return ((q - 8) * scale[..., None] + zero[..., None]).flatten(1)
-
-    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dtype == torch.bfloat16:
-            return native_matmul(x, self.packed, self.packed_scale, self.packed_low)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE,
-                                                          self.scales_and_zeros.to(x.dtype))
-
-
-_QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}
-
-
-def quantize_linear_layers(model: nn.Module, method: str) -> int:
-    """Replace every `Linear` of `model` with its quantized form; returns how many.
-
-    With int4 the LM head is quantized to int8, as llama.cpp's 4-bit recipes keep the
-    output matrix at 6-8 bits: on SmolLM2 a 4-bit head alone cost ~5% perplexity.
-    """
-    if method not in _QUANTIZED:
-        raise ValueError(f"quantization={method!r} is not supported; allowed: {', '.join(QUANTIZATION_METHODS)}")
-    replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Linear) and _fits(method, child):
-                head = method == "int4" and not parent_name and name == "lm_head"
-                setattr(parent, name, (Int8Linear if head else _QUANTIZED[method])(child))
-                replaced += 1
-    return replaced
-
-
-def _fits(method: str, layer: nn.Linear) -> bool:
-    return method != "int4" or layer.in_features % INT4_GROUP_SIZE == 0
+QUANTIZED = {"int8": Int8(), "int4": Int4(), "w8a8": W8A8()}  # the plain-torch method of each format

@@ -82,8 +82,10 @@ def _result(token_id: int, raw_logprobs: torch.Tensor | None, row: int, num_top:
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-    logits = logits / temperature.unsqueeze(1)
+    # a temperature beyond float32 would become inf and turn masked (-inf) logits into NaN;
+    # float32's largest already flattens every finite logit to a uniform draw, its limit
+    temperature = torch.tensor([p.temperature for p in params]).clamp_(max=torch.finfo(torch.float32).max)
+    logits = logits / temperature.to(logits.device).unsqueeze(1)
     probs = logits.softmax(-1)
     min_p = torch.tensor([p.min_p for p in params], device=logits.device)
     if min_p.any():
@@ -107,5 +109,6 @@ def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     normalized = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     mass_before = normalized.cumsum(-1) - normalized
     p = torch.tensor(top_p, device=probs.device).unsqueeze(1)
-    keep &= mass_before < p  # the most likely token always survives
+    keep &= mass_before < p
+    keep[:, 0] = True  # the most likely token always survives, also a top_p that rounds to 0 in float32
     return torch.zeros_like(probs).scatter(1, order, sorted_probs * keep)

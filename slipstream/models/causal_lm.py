@@ -35,6 +35,12 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_stacked_weights(self, weights)
 
+    def use_decode_stack(self, stack) -> None:
+        """Let the body run whole decode steps through a backend's fused stack, where the body
+        has such a path (the llama family's)."""
+        if stack is not None and hasattr(self.model, "decode_stack"):
+            self.model.decode_stack = stack
+
     def attention_layers(self) -> list[Attention]:
         """The attention layers that own a KV cache, in layer order (Gemma 4's KV-sharing
         layers own none: they attend through an earlier layer's)."""

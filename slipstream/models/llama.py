@@ -11,6 +11,8 @@ attention scale, windows and norm form.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -21,7 +23,6 @@ from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.models.causal_lm import CausalLM
 from slipstream.models.config import ModelConfig, UnsupportedModelError, common_fields
-from slipstream.models.native_decode import NativeDecoder, decode_step
 
 
 class LlamaAttention(nn.Module):
@@ -79,6 +80,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # a backend's fused run of every layer for the steps it serves (positions, x) -> ran, or None
+    decode_stack: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
+
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer]):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -87,11 +91,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        native = NativeDecoder.of(self.layers)
-        step = None if native is None else decode_step(positions, x, self.layers[0].self_attn.rotary)
-        if step is not None:
-            native(x, step)  # in place: x is the embedding lookup's own tensor
-            return self.norm(x)
+        if self.decode_stack is not None and self.decode_stack(positions, x):
+            return self.norm(x)  # the stack ran every layer, in place: x is the embedding lookup's own tensor
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)

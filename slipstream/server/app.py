@@ -1,38 +1,46 @@
-"""The FastAPI app: OpenAI's routes, /health, /metrics, /tokenize, /detokenize; errors and API keys.
+"""The FastAPI app: OpenAI's routes, /health, /metrics, /tokenize, /detokenize; errors, keys, limits, drain.
 
-`build_app(engine, served_model_name, api_key)` wraps a synchronous LLMEngine in an
+`build_app(engine, served_model_name, api_key, limits)` wraps a synchronous LLMEngine in an
 AsyncLLMEngine whose thread lives as long as the app (started and stopped by the app's
 lifespan), and gives the app its own metrics registry. Route logic lives in serving.py;
-this file only wires it and turns every failure into OpenAI's error JSON.
+this file only wires it and turns every failure into OpenAI's error JSON. Around the
+routes, outermost first: the drain (503 while shutting down), the API key (401), the
+body-size limit (413).
 """
 from __future__ import annotations
 
 import asyncio
-import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slipstream.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from slipstream.engine.engine import LLMEngine
 from slipstream.metrics import CONTENT_TYPE, ServerMetrics
 from slipstream.server import protocol as p
+from slipstream.server.auth import APIKeyMiddleware
+from slipstream.server.body_limit import BodyLimitMiddleware
+from slipstream.server.drain import Drain, DrainMiddleware
 from slipstream.server.errors import APIError, validation_error
+from slipstream.server.limits import ServerLimits
 from slipstream.server.serving import ClientDisconnected, OpenAIServing
 
-UNPROTECTED = {"/health"}
 
-
-def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     served_model_name = served_model_name or engine.config.model
+    limits = limits or ServerLimits()
     async_engine = AsyncLLMEngine(engine)
     metrics = ServerMetrics(served_model_name, async_engine.stats)
     async_engine.on_output = metrics.record
-    serving = OpenAIServing(async_engine, served_model_name)
+    serving = OpenAIServing(async_engine, served_model_name, limits)
+
+    async def end_requests(reason: str) -> None:
+        """What the drain calls for requests still running at its end: stop the engine under them."""
+        await asyncio.to_thread(async_engine.shutdown, reason=reason)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -45,11 +53,15 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
     app = FastAPI(title="slipstream", lifespan=lifespan)
     app.state.engine = async_engine
     app.state.metrics = metrics
+    app.state.drain = Drain()
+    app.state.end_requests = end_requests
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     _add_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not async_engine.is_alive:
             raise EngineDeadError("the engine is not running")
@@ -73,11 +85,11 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
 
     @app.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest) -> dict:
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: p.DetokenizeRequest) -> dict:
-        return serving.detokenize(body)
+        return await serving.detokenize(body)
 
     return app
 
@@ -106,20 +118,3 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody is listening; nginx's code for it
 
-
-class APIKeyMiddleware:
-    """Every route except /health needs `Authorization: Bearer <key>` (plain ASGI, so streams are untouched)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNPROTECTED:
-            return await self.app(scope, receive, send)
-        given = Headers(scope=scope).get("authorization", "").encode("utf-8", "replace")
-        if not secrets.compare_digest(given, self.expected):
-            response = APIError(401, "missing or invalid API key; send the header 'Authorization: Bearer <key>'",
-                                code="invalid_api_key").response()
-            return await response(scope, receive, send)
-        return await self.app(scope, receive, send)

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 503: "service_unavailable"}
+         405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -49,7 +49,16 @@ def validation_error(exc: RequestValidationError) -> APIError:
     param = loc[0] if loc else None
     where = ".".join(loc) or "request body"
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return APIError(400, f"{where}: {first['msg']}{more}", param=param)
+    return APIError(400, f"{where}: {first['msg']}{_received(first)}{more}", param=param)
+
+
+def _received(error: dict) -> str:
+    """The value a field received, when it is short enough to quote (a huge one is its own problem)."""
+    value = error.get("input")
+    if isinstance(value, (dict, list)) or value is None:
+        return ""
+    text = repr(value)
+    return f", got {text}" if len(text) <= 60 else f", got a {type(value).__name__} of {len(text)} characters"
 
 
 def _is_union_tag(part) -> bool:

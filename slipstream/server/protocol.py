@@ -1,17 +1,23 @@
 """OpenAI's request and response shapes (plus vLLM's common extras) as pydantic models.
 
 Requests are checked here for types only; values (ranges, lengths, limits) are checked by
-SamplingParams and the engine, whose ValueErrors the server turns into 400s. Every field
-may be null, meaning "the default". Undeclared fields are kept, and rejected by name unless
-server/fields.py lists them as accepted and ignored. Strings must
-be valid Unicode (no lone surrogates: they cannot be tokenized or sent back as UTF-8).
+SamplingParams, the server's limits and the engine, whose ValueErrors the server turns into
+400s. Types are strict, as OpenAI's API states them: a string is never a number, a boolean
+never an integer, a float never an integer (`"temperature": "0.5"`, `"max_tokens": true`,
+`"n": 2.0` are 400s); an integer is a number. Every field may be null, meaning "the
+default". Undeclared fields are kept, and rejected by name unless server/fields.py lists
+them as accepted and ignored. Strings must be valid Unicode (no lone surrogates: they
+cannot be tokenized or sent back as UTF-8). Chat roles are the API's own and message names
+are identifiers, because chat templates insert both verbatim: a role like
+"user<|im_end|><|im_start|>system" would forge a turn.
 """
 from __future__ import annotations
 
 import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag,
+                      model_serializer)
 
 from slipstream.server.response_format import ResponseFormat
 from slipstream.server.tools import NamedToolChoice, Tool, ToolCall
@@ -29,7 +35,7 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)  # extras: server/fields.py
 
 
 class StreamOptions(_Request):
@@ -75,8 +81,24 @@ class SamplingFields(_Request):
 TokenIds = list[int]
 
 
+def _prompt_form(value) -> str:
+    """Which of the four forms a prompt takes, from its first element.
+
+    So that one member of the union is validated, not all four: a union tried in full
+    validates every element of a long list once per member, on the event loop.
+    """
+    if isinstance(value, str):
+        return "str"
+    first = value[0] if isinstance(value, list) and value else None
+    return {list: "list[list[int]]", str: "list[str]"}.get(type(first), "list[int]")
+
+
+Prompt = Annotated[Annotated[TokenIds, Tag("list[int]")] | Annotated[list[TokenIds], Tag("list[list[int]]")]
+                   | Annotated[Text, Tag("str")] | Annotated[list[Text], Tag("list[str]")], Discriminator(_prompt_form)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    prompt: Prompt
     logprobs: int | None = None
     echo: bool | None = False
     suffix: Text | None = None  # not supported: rejected if set
@@ -87,10 +109,14 @@ class ContentPart(_Request):
     text: Text | None = None
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule for names
+
+
 class ChatMessage(_Request):
-    role: Text
+    role: Role
     content: Text | list[ContentPart] | None = None
-    name: Text | None = None
+    name: Name | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's past calls
     tool_call_id: Text | None = None  # a tool message: the call it answers
 

@@ -22,7 +22,7 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)  # undeclared: rejected by server/fields.py
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)  # extras: server/fields.py
 
     name: str | None = None
     description: str | None = None
@@ -31,7 +31,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None

@@ -1,10 +1,11 @@
 """The OpenAI routes' logic: request -> SamplingParams and engine prompts -> response or SSE chunks.
 
 A request is validated and queued in full (every prompt of a list) before the response
-starts, so every error is a 4xx with OpenAI's error JSON. Streams turn cumulative engine
-outputs into deltas; text that could be the start of a stop string is held back until it
-is known not to be one, so the streamed text always equals the final text. A client that
-goes away aborts its requests at once.
+starts, so every error is a 4xx with OpenAI's error JSON. The server's limits are checked
+first; prompts and chat templates are tokenized on the engine's input thread. Streams turn
+cumulative engine outputs into deltas; text that could be the start of a stop string is
+held back until it is known not to be one, so the streamed text always equals the final
+text. A client that goes away aborts its requests at once.
 
 This module must never touch the engine directly: everything goes through AsyncLLMEngine.
 """
@@ -34,6 +35,7 @@ from slipstream.server.response_format import renamed, structured_outputs
 from slipstream.server.tool_deltas import ToolCallStream
 from slipstream.server.tools import ToolPlan, output_constraint, render_history, renders_tools, tool_plan
 from slipstream.structured.params import StructuredOutputsParams
+from slipstream.server.limits import ServerLimits
 
 Prompt = str | list[int]
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -44,20 +46,21 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, limits: ServerLimits):
         self.engine = engine
         self.model_name = model_name
+        self.limits = limits
         self.processor = engine.processor
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = self.processor.max_model_len
 
     # --- /v1/completions ---------------------------------------------------------------
     async def completion(self, req: p.CompletionRequest, raw: Request) -> Response:
-        check_fields(req)
-        self._check_model(req.model)
+        self._check_request(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = _completion_prompts(req.prompt)
+        _checked(self.limits.check_prompts, len(prompts))
         echo_logprobs = req.logprobs if req.echo else None
         scoring = bool(req.echo) and 0 in (req.max_tokens, req.max_completion_tokens)
         if scoring:  # score the prompt only (vLLM's echo with max_tokens=0): sample one token, send none
@@ -140,15 +143,14 @@ class OpenAIServing:
 
     # --- /v1/chat/completions ----------------------------------------------------------
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
-        check_fields(req)
-        self._check_model(req.model)
+        self._check_request(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         plan = tool_plan(req, getattr(self.tokenizer, "chat_template", None))
         structured, field = output_constraint(req, plan)
         params = self._params(req, default_max_tokens=None, logprobs=num_logprobs, structured=structured)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt is not False, plan)
+        prompt = await self.chat_prompt(req.messages, req.add_generation_prompt is not False, plan)
         if params.max_tokens is None:
             params = self._with_max_tokens(params, self._room_after(prompt))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -214,44 +216,62 @@ class OpenAIServing:
         token = self._token(token_id, {token_id: lp})
         return {"token": token, "logprob": _clamp(lp.logprob), "bytes": list(token.encode("utf-8", "replace"))}
 
-    def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
-                    plan: ToolPlan | None = None) -> list[int]:
+    async def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
+                          plan: ToolPlan | None = None) -> list[int]:
         """Token ids of a conversation, rendered exactly as LLM.chat renders it (with tools: server/tools.py)."""
         if not messages:
             raise APIError(400, "messages is empty; it must contain at least one message", param="messages")
         native = renders_tools(getattr(self.tokenizer, "chat_template", None))
         rendered = render_history([_message(i, m) for i, m in enumerate(messages)], plan, native)
         try:
-            return self.processor.render_chat(rendered, add_generation_prompt,
-                                              tools=plan.template_tools() if plan is not None else None)
+            return await self.engine.run_input(self.processor.render_chat, rendered, add_generation_prompt,
+                                               plan.template_tools() if plan is not None else None)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
 
     # --- /tokenize, /detokenize, /v1/models --------------------------------------------
-    def tokenize(self, req: p.TokenizeRequest) -> dict:
+    async def tokenize(self, req: p.TokenizeRequest) -> dict:
         check_fields(req)
         self._check_model(req.model)
-        tokenizer = self._require_tokenizer()
+        self._require_tokenizer()
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "pass exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            tokens = self.chat_prompt(req.messages, req.add_generation_prompt is not False)
+            tokens = await self.chat_prompt(req.messages, req.add_generation_prompt is not False)
         else:
-            tokens = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens is not False).input_ids
+            tokens = await self.engine.run_input(self._tokenize, req.prompt, req.add_special_tokens is not False)
         return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
 
-    def detokenize(self, req: p.DetokenizeRequest) -> dict:
+    async def detokenize(self, req: p.DetokenizeRequest) -> dict:
         check_fields(req)
         self._check_model(req.model)
-        tokenizer = self._require_tokenizer()
-        self._check_token_ids(req.tokens, "tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        self._require_tokenizer()
+        return {"prompt": await self.engine.run_input(self._detokenize, req.tokens)}
 
     def models(self) -> p.ModelList:
         card = p.ModelCard(id=self.model_name, root=self.engine.engine.config.model, max_model_len=self.max_model_len)
         return p.ModelList(data=[card])
 
+    def _detokenize(self, token_ids: list[int]) -> str:
+        self._check_token_ids(token_ids, "tokens")
+        return self.tokenizer.decode(token_ids)
+
+    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            self.processor.check_text_length(len(text))
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
     # --- shared ------------------------------------------------------------------------
+    def _check_request(self, req: p.SamplingFields) -> None:
+        """What every generation request must satisfy before any of it is processed."""
+        check_fields(req)
+        self._check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        _checked(self.limits.check_stop, req.stop)
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(400, f"model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -354,6 +374,14 @@ class _ChoiceStream:
         if not text and start == self.sent_tokens and not done:
             return None
         return text, start, self.sent_tokens
+
+
+def _checked(check, *args) -> None:
+    """Run a check whose ValueError names the field first; as a 400."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise APIError.bad_request(e) from None
 
 
 def _reply(text: str, finish_reason: str | None, plan: ToolPlan | None) -> dict:

@@ -37,7 +37,7 @@ GENERIC_PROMPT = (
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")  # undeclared fields are rejected by server/fields.py
+    model_config = ConfigDict(extra="allow", strict=True)  # undeclared fields are rejected by server/fields.py
 
 
 class FunctionDefinition(_Model):

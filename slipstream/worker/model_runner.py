@@ -43,6 +43,7 @@ class ModelRunner:
         max_blocks = min(kv_cache.num_blocks, -(-max_model_len // kv_cache.block_size))
         self.input_batch = InputBatch(max_num_tokens, max_num_seqs, max_blocks, kv_cache.block_size, backend.device)
         backend.bind_attention(model.attention_layers(), kv_cache.layers)
+        model.use_decode_stack(backend.decode_stack(model))
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:

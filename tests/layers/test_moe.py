@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream.backends.cpu import build
-from slipstream.layers import moe
+from slipstream.backends.cpu import moe as cpu_moe
+from slipstream.backends.cpu.moe import CpuExperts
 from slipstream.layers.moe import SparseMoeBlock, TopKRouter, load_balance_summary
 
 H, I = 16, 24
@@ -105,20 +105,20 @@ def test_bf16_large_groups_run_in_float32(monkeypatch):
     """bf16 without AMX or native kernels: groups of >= UPCAST_MIN_TOKENS run in fp32 (weights widened
     in blocks of rows, the last one partial), smaller ones in bf16; both match a float32 computation.
     (tests/kernels/test_moe_expert.py covers the native kernel.)"""
-    monkeypatch.setattr(moe, "cpu_has_amx", lambda: False)
-    monkeypatch.setattr(build, "ENABLED", False)
-    monkeypatch.setattr(moe, "UPCAST_MIN_TOKENS", 30)
-    monkeypatch.setattr(moe, "WIDEN_BLOCK", 5 * I)  # gate_up [48, 16]: blocks of 7 rows; down [16, 24]: 5
-    upcast = []
-    expert_fp32 = moe.Experts.expert_fp32
-    monkeypatch.setattr(moe.Experts, "expert_fp32", lambda self, e, *a: upcast.append(e) or expert_fp32(self, e, *a))
+    monkeypatch.setattr(cpu_moe, "UPCAST_MIN_TOKENS", 30)
+    monkeypatch.setattr(cpu_moe, "WIDEN_BLOCK", 5 * I)  # gate_up [48, 16]: blocks of 7 rows; down [16, 24]: 5
     block = make_block(num_experts=4, top_k=2, renormalize=True).to(torch.bfloat16)
+    block.experts.method = CpuExperts(kernel=None, upcast=True)
+    widened, widened_mm = [], cpu_moe.widened_mm
+    monkeypatch.setattr(cpu_moe, "widened_mm", lambda x, w, *a: widened.append(w.data_ptr()) or widened_mm(x, w, *a))
     x = torch.randn(60, H, dtype=torch.bfloat16)
     with torch.no_grad():
         weights, ids = block.gate(x)
         counts = torch.bincount(ids.flatten(), minlength=4)
         out = block.experts(x, weights, ids, counts)
-    assert upcast == [e for e, n in enumerate(counts.tolist()) if n >= 30] and 0 < len(upcast) < 4
+    upcast = [e for e, n in enumerate(counts.tolist()) if n >= 30]
+    assert 0 < len(upcast) < 4 and widened == [p for e in upcast for p in (block.experts.gate_up_proj[e].data_ptr(),
+                                                                          block.experts.down_proj[e].data_ptr())]
     gate_up, down = block.experts.gate_up_proj.float(), block.experts.down_proj.float()
     expected = torch.zeros(60, H)
     for t, (token_ids, token_weights) in enumerate(zip(ids.tolist(), weights)):

@@ -44,10 +44,21 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm, prompts):
     SamplingParams(temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True),
     SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=16, ignore_eos=True),
     SamplingParams(temperature=1.5, min_p=1.0, max_tokens=16, ignore_eos=True),
-], ids=["top_k=1", "tiny-top_p", "min_p=1"])
+    SamplingParams(temperature=1.5, top_p=1e-300, max_tokens=16, ignore_eos=True),  # 0 in float32
+    SamplingParams(temperature=1e-300, max_tokens=16, ignore_eos=True),  # below 1e-5: greedy
+    SamplingParams(temperature=9e-6, max_tokens=16, ignore_eos=True),
+], ids=["top_k=1", "tiny-top_p", "min_p=1", "top_p-underflows", "temperature-underflows", "temperature<1e-5"])
 def test_degenerate_filters_equal_greedy(llm, prompts, params):
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == _ids(llm.generate(prompts, greedy, use_tqdm=False))
+
+
+@pytest.mark.parametrize("temperature", [1e300, 1.7e308])  # inf in float32
+def test_huge_temperature_samples_every_token_and_never_a_masked_one(llm, prompts, temperature):
+    allowed = list(range(10, 60))
+    params = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=3, allowed_token_ids=allowed)
+    for tokens in _ids(llm.generate(prompts, params, use_tqdm=False)):
+        assert set(tokens) <= set(allowed) and len(set(tokens)) > 8  # 16 near-uniform draws from 50
 
 
 def test_top_k_keeps_samples_within_the_k_most_likely(llm, prompts):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.conftest import build_tiny_checkpoint
+from slipstream.server.auth import API_KEY_ENV
+from tests.conftest import build_tiny_checkpoint, save_tiny_tokenizer
 
 API_KEY = "test-key"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,13 +74,14 @@ def free_port() -> int:
 
 
 def launch_server(model: str, log_path: str, *args: str, api_key: str | None = None) -> Server:
-    """Start `slipstream serve` (float32); call wait_ready() before using it."""
+    """Start `slipstream serve` (float32), the API key in its environment; call wait_ready() before using it."""
     port = free_port()
     cmd = [sys.executable, "-m", "slipstream.cli", "serve", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--uvicorn-log-level", "warning", *args]
-    if api_key:
-        cmd += ["--api-key", api_key]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    env.pop(API_KEY_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     return Server(process, f"http://127.0.0.1:{port}", log_path, api_key)
@@ -90,6 +92,22 @@ def tiny_model(tmp_path_factory) -> str:
     """A random llama without tokenizer files: token-id prompts only, empty texts."""
     path = str(tmp_path_factory.mktemp("tiny_server_model"))
     return build_tiny_checkpoint(path, "llama", num_kv_heads=2, max_position_embeddings=TINY_MAX_LEN)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> str:
+    """A random llama with a small byte-level tokenizer and a ChatML template: text prompts and chat."""
+    path = str(tmp_path_factory.mktemp("tiny_chat_model"))
+    build_tiny_checkpoint(path, "llama", num_kv_heads=2, max_position_embeddings=TINY_MAX_LEN)
+    return save_tiny_tokenizer(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_server(tiny_chat_model, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("tiny_chat_server") / "server.log")
+    server = launch_server(tiny_chat_model, log, "--served-model-name", "tiny-chat").wait_ready()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -68,6 +69,39 @@ def test_invalid_request_raises_to_its_caller_only(engine):
         return await final(good)
 
     assert len(asyncio.run(main()).outputs[0].token_ids) == 12
+
+
+def test_prompts_are_processed_off_the_engine_thread(engine, monkeypatch):
+    threads = []
+    process = engine.processor.process
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return process(*args)
+
+    monkeypatch.setattr(engine.processor, "process", recording)
+
+    async def main():
+        return await final(await engine.add_request("r", [5, 6, 7], GREEDY))
+
+    assert len(asyncio.run(main()).outputs[0].token_ids) == 12
+    assert threads == [threads[0]] and threads[0].startswith("slipstream-input")
+
+
+def test_input_still_queued_at_shutdown_fails_with_engine_dead(engine):
+    release = threading.Event()
+
+    async def main():
+        busy = asyncio.ensure_future(engine.run_input(release.wait))  # holds the one input thread
+        queued = asyncio.ensure_future(engine.run_input(lambda: "never"))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(engine.shutdown, 1.0, "stopping for the test")
+        release.set()
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await queued
+        assert await busy is True
+
+    asyncio.run(main())
 
 
 def test_close_aborts_and_frees_blocks(engine):

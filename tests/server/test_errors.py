@@ -6,6 +6,7 @@ import json
 import httpx
 import pytest
 
+from slipstream.server.auth import API_KEY_ENV, resolve_api_key
 from tests.server.conftest import API_KEY, TINY_MAX_LEN, metric
 
 ROUTES = [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
@@ -41,6 +42,8 @@ def completion(client, **fields) -> httpx.Response:
 # --- API key -----------------------------------------------------------------------------
 def test_health_needs_no_key(tiny_server):
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
+    head = httpx.head(f"{tiny_server.url}/health")  # load balancers probe with HEAD
+    assert head.status_code == 200 and head.content == b""
 
 
 @pytest.mark.parametrize("method,path", ROUTES)
@@ -50,10 +53,32 @@ def test_every_route_but_health_needs_the_key(tiny_server, method, path, headers
     response = httpx.request(method, tiny_server.url + path, headers=headers, json={"prompt": [1], "tokens": [1]})
     error = assert_error(response, 401, contains="API key")
     assert error["code"] == "invalid_api_key"
+    assert response.headers["www-authenticate"].startswith('Bearer realm="slipstream"')
 
 
 def test_right_key_is_accepted(client):
     assert client.get("/v1/models").status_code == 200
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "beaRer"])
+def test_bearer_is_case_insensitive(tiny_server, scheme):
+    response = httpx.get(f"{tiny_server.url}/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"})
+    assert response.status_code == 200, response.text
+
+
+def test_key_from_the_environment_is_not_on_the_command_line(tiny_server):
+    with open(f"/proc/{tiny_server.process.pid}/cmdline", "rb") as f:
+        assert API_KEY.encode() not in f.read()  # conftest passes it as SLIPSTREAM_API_KEY
+
+
+def test_key_resolution(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert resolve_api_key(None) == "from-env" and resolve_api_key("from-flag") == "from-flag"
+    monkeypatch.setenv(API_KEY_ENV, " ")
+    with pytest.raises(ValueError, match=f"{API_KEY_ENV} is set but empty"):
+        resolve_api_key(None)
+    monkeypatch.delenv(API_KEY_ENV)
+    assert resolve_api_key(None) is None
 
 
 # --- routes and methods ------------------------------------------------------------------

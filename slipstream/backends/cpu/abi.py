@@ -77,7 +77,7 @@ class Layer(ctypes.Structure):
 class Step(ctypes.Structure):
     """decoder_layer.c: what every layer of a decode step shares."""
     _fields_ = [("tokens", I64), ("positions", P), ("slots", P), ("block_tables", P), ("context_lens", P),
-                ("cos", P), ("sin", P), ("max_blocks", I32), ("threads", I32)]
+                ("cos", P), ("sin", P), ("max_blocks", I32), ("threads", I32), ("amx", I32 * 3)]
 
 
 # each mirror and the kernel that exports its C size (`sizeof_<name>`), checked when a build loads
@@ -123,9 +123,20 @@ class Kernels:
     gemm_bf16 = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int4 = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    # 1 where built with AMX tiles and Linux lets this process use them, else 0 and the _amx calls return -1;
+    # the same arguments as above; _silu: the weight is a fused [gate; up] and y [M, N/2] = silu(gate) * up
+    gemm_amx_available = Function("gemm", restype=ctypes.c_int)
+    gemm_bf16_amx = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int8_amx = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int4_amx = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_bf16_amx_silu = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int8_amx_silu = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     moe_expert_available = Function("moe_expert", restype=ctypes.c_int)
+    moe_expert_amx_available = Function("moe_expert", restype=ctypes.c_int)
     # (x, tokens, weights, m, gate_up, down, out, hidden, intermediate, threads)
     moe_expert_silu = Function("moe_expert", P, P, P, I64, P, P, P, I64, I64, I32, restype=STATUS)
+    moe_expert_silu_amx = Function("moe_expert", P, P, P, I64, P, P, P, I64, I64, I32, restype=STATUS)
     # (layers, count, step, x)
     decoder_layers_decode = Function("decoder_layer", ctypes.POINTER(Layer), I32, ctypes.POINTER(Step), P,
                                      restype=STATUS)

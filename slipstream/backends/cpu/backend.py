@@ -2,8 +2,10 @@
 
 Which paths run follows from the CpuCapability alone (flags, kernels built and for which
 ISA), so the choice is made once and can be tested for any CPU: attention on bf16 caches and
-on TurboQuant codes through the decode kernels (backends/cpu/attention.py); otherwise the
-reference's torch paths.
+on TurboQuant codes through the decode kernels (backends/cpu/attention.py); bf16, int8 and
+int4 weights packed for kernels/gemm.c under one GemmPolicy (backends/cpu/linear.py); MoE
+experts on kernels/moe_expert.c (backends/cpu/moe.py); the fused decode stack
+(backends/cpu/decode_stack.py); otherwise the reference's torch paths.
 """
 from __future__ import annotations
 
@@ -16,16 +18,28 @@ from slipstream.attention import reference, turboquant
 from slipstream.backends.base import AttentionImpl
 from slipstream.backends.cpu.attention import dense_decode, turboquant_decode
 from slipstream.backends.cpu.capability import CpuCapability
+from slipstream.backends.cpu.decode_stack import DecodeStack
+from slipstream.backends.cpu.linear import (AMX_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy, NativeBf16,
+                                            NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
+from slipstream.backends.cpu.moe import NATIVE_MIN_TOKENS, UPCAST_MIN_TOKENS, CpuExperts
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
-from slipstream.layers.linear import prepack_weights
+from slipstream.layers.linear import Linear, LinearMethod
+from slipstream.layers.moe import Experts, ExpertsMethod
 
 
 class CpuBackend(ReferenceBackend):
     def __init__(self, capability: CpuCapability):
         super().__init__(torch.device("cpu"))
         self.capability = capability
+        self.policy = GemmPolicy(amx=capability.amx_kernels)
+        upcast = not capability.amx  # without AMX, float32 GEMMs beat oneDNN's bf16 on large batches
+        self.native = {None: NativeBf16(self.policy, upcast), "int8": NativeInt8(self.policy),
+                       "int4": NativeInt4(self.policy)}
+        self.bf16 = OneDnnBf16(upcast) if torch.backends.mkldnn.is_available() else Upcast(upcast)
+        expert_kernel = ("amx" if capability.amx_kernels else "avx512") if capability.moe_expert else None
+        self.experts = CpuExperts(expert_kernel, upcast)
 
     @property
     def name(self) -> str:
@@ -39,12 +53,49 @@ class CpuBackend(ReferenceBackend):
                 return functools.partial(reference.paged_attention, decode_kernel=dense_decode)
         return super().attention(cache)
 
-    def prepare(self, model: nn.Module, quantization: str | None) -> None:
-        super().prepare(model, quantization)
-        prepack_weights(model)
+    def linear_method(self, layer: Linear, fmt: str | None) -> LinearMethod:
+        if self.capability.gemm and fmt in self.native and native_fits(layer, fmt):
+            return self.native[fmt]
+        if fmt is None and layer.weight.dtype == torch.bfloat16:
+            return self.bf16
+        return super().linear_method(layer, fmt)
+
+    def experts_method(self, experts: Experts) -> ExpertsMethod:
+        return self.experts
+
+    def decode_stack(self, model: nn.Module) -> DecodeStack | None:
+        return DecodeStack(model.model.layers, self.policy) if self.capability.gemm else None
 
     def describe(self) -> list[str]:
-        native = self.capability.kernels is not None
-        return [f"backend {self.name}: {self.capability.summary()}",
+        cap, native = self.capability, self.capability.kernels is not None
+        return [f"backend {self.name}: {cap.summary()}",
                 "attention: " + ("native decode kernels on bf16 caches and TurboQuant codes, torch for prefill"
-                                 if native else "torch")]
+                                 if native else "torch"),
+                "linear: " + _linear_policy(cap),
+                "MoE experts: " + _experts_policy(cap),
+                "decode stack: " + _decode_stack_policy(cap)]
+
+
+def _linear_policy(cap: CpuCapability) -> str:
+    if cap.amx_kernels:
+        rows = ", ".join(f"{fmt} from {n}" for fmt, n in AMX_MIN_ROWS.items())
+        return f"packed weights on AMX tiles ({rows} rows), AVX-512 loops below (kernels/gemm.c)"
+    if cap.gemm:
+        return (f"packed weights on AVX-512 loops (kernels/gemm.c) below {NATIVE_MAX_ROWS} rows in bf16, "
+                f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")
+    upcast = "oneDNN bf16 (AMX) above" if cap.amx else "float32 GEMMs above"
+    return f"oneDNN packed bf16 weights below {UPCAST_MIN_ROWS} rows, {upcast}; int8/int4 on PyTorch's kernels"
+
+
+def _decode_stack_policy(cap: CpuCapability) -> str:
+    if not cap.gemm:
+        return "none (the per-layer torch path)"
+    return "decoder_layer.c for every all-decode step" + ("" if cap.amx_kernels else f" below {UPCAST_MIN_ROWS} tokens")
+
+
+def _experts_policy(cap: CpuCapability) -> str:
+    if cap.moe_expert and cap.amx_kernels:
+        return "moe_expert.c on AMX tiles for every group"
+    if cap.moe_expert:
+        return f"moe_expert.c (float32 FMAs) for groups from {NATIVE_MIN_TOKENS['avx512']} tokens, bf16 torch below"
+    return "torch, one expert at a time" + ("" if cap.amx else f", float32 from {UPCAST_MIN_TOKENS} tokens")

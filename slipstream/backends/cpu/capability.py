@@ -55,6 +55,11 @@ class CpuCapability:
         return self.kernels is not None and self.kernels.gemm_bf16_available() == 1
 
     @property
+    def amx_kernels(self) -> bool:
+        """kernels/gemm.c and moe_expert.c were built with AMX tiles and Linux lets this process use them."""
+        return self.kernels is not None and self.kernels.gemm_amx_available() == 1
+
+    @property
     def moe_expert(self) -> bool:
         return self.kernels is not None and self.kernels.moe_expert_available() == 1
 
@@ -64,7 +69,7 @@ class CpuCapability:
         if self.kernels is None:
             return "torch"
         if self.gemm:
-            return "amx" if self.amx and self.isa == "native" else "avx512"
+            return "amx" if self.amx_kernels else "avx512"
         return "avx2" if self.isa == "x86-64-v3" or "avx2" in self.flags and self.isa == "native" else "generic"
 
     def summary(self) -> str:

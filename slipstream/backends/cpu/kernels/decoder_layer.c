@@ -19,8 +19,8 @@
 
 enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 };
 
-// A linear layer's weight [n, k] as gemm.c takes it (packed by layers/linear.py and
-// layers/quantization.py): int8 with a float32 scale per column, int4 with a scale and a
+// A linear layer's weight [n, k] as gemm.c takes it (packed by backends/cpu/linear.py):
+// int8 with a float32 scale per column, int4 with a scale and a
 // minimum per group and column.
 typedef struct {
     int32_t kind;
@@ -44,17 +44,26 @@ typedef struct {
     const int64_t *positions, *slots, *block_tables, *context_lens;  // block_tables [tokens, max_blocks]
     const float *cos, *sin;                                           // [positions, head_dim / 2]
     int32_t max_blocks, threads;
+    int32_t amx[3];  // per weight kind: whether its projections take the AMX kernels at this many tokens
 } Step;
 
 // Read by backends/cpu/abi.py: the weight kinds, and the sizes its mirrors of the structs are checked against.
 const int32_t weight_kind_bf16 = WEIGHT_BF16, weight_kind_int8 = WEIGHT_INT8, weight_kind_int4 = WEIGHT_INT4;
 const int32_t sizeof_Weight = sizeof(Weight), sizeof_Layer = sizeof(Layer), sizeof_Step = sizeof(Step);
 
-static int project(const Weight *w, const uint16_t *x, uint16_t *y, int64_t m, int64_t k, int threads) {
+// The multiple of K each kind's AMX kernel tiles (gemm.c); other layers keep the AVX-512 loops.
+static int amx_tiles(int32_t kind, int64_t k) { return k % (kind == WEIGHT_INT8 ? 64 : 32) == 0; }
+
+static int project(const Weight *w, const Step *s, const uint16_t *x, uint16_t *y, int64_t k) {
+    int64_t m = s->tokens;
+    int threads = s->threads, amx = s->amx[w->kind] && amx_tiles(w->kind, k);
     switch (w->kind) {
-        case WEIGHT_BF16: return gemm_bf16(x, w->weight, y, m, w->n, k, threads);
-        case WEIGHT_INT8: return gemm_int8(x, w->weight, w->scale, y, m, w->n, k, threads);
-        case WEIGHT_INT4: return gemm_int4(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
+        case WEIGHT_BF16:
+            return (amx ? gemm_bf16_amx : gemm_bf16)(x, w->weight, y, m, w->n, k, threads);
+        case WEIGHT_INT8:
+            return (amx ? gemm_int8_amx : gemm_int8)(x, w->weight, w->scale, y, m, w->n, k, threads);
+        case WEIGHT_INT4:
+            return (amx ? gemm_int4_amx : gemm_int4)(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
     }
     return -1;
 }
@@ -80,7 +89,7 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
     int64_t m = s->tokens, q_size = (int64_t)l->q_heads * l->head_dim, kv_size = (int64_t)l->kv_heads * l->head_dim;
     int64_t width = q_size + 2 * kv_size;
     rms_norm_bf16(x, l->input_norm, normed, m, l->hidden, l->eps, s->threads);
-    if (project(&l->qkv, normed, qkv, m, l->hidden, s->threads)) return -1;
+    if (project(&l->qkv, s, normed, qkv, l->hidden)) return -1;
     rotary_bf16(qkv, qkv + q_size, width, m, l->q_heads, l->kv_heads, l->head_dim, s->cos, s->sin, s->positions,
                 s->threads);
     cache_write_bf16(qkv + q_size, qkv + q_size + kv_size, l->k_cache, l->v_cache, s->slots, m, width, l->kv_heads,
@@ -90,8 +99,23 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
                                     l->q_heads, l->kv_heads, l->head_dim, l->num_blocks, l->block_size,
                                     s->max_blocks, l->scale, l->window, s->threads))
         return -1;
-    if (project(&l->o, attn, delta, m, q_size, s->threads)) return -1;
+    if (project(&l->o, s, attn, delta, q_size)) return -1;
     add_residual(x, delta, m * l->hidden);
+    return 0;
+}
+
+// act = silu(gate) * up: in the AMX kernel's epilogue where it serves this step (as the torch
+// path's layers/linear.py `silu_and_mul` does), else the projection and `silu_and_mul`.
+static int gated_projection(const Layer *l, const Step *s, const uint16_t *x, uint16_t *gate_up, uint16_t *act) {
+    const Weight *w = &l->gate_up;
+    int64_t m = s->tokens, k = l->hidden;
+    if (s->amx[w->kind] && amx_tiles(w->kind, k) && w->n % 32 == 0) switch (w->kind) {
+            case WEIGHT_BF16: return gemm_bf16_amx_silu(x, w->weight, act, m, w->n, k, s->threads);
+            case WEIGHT_INT8: return gemm_int8_amx_silu(x, w->weight, w->scale, act, m, w->n, k, s->threads);
+            case WEIGHT_INT4: return gemm_int4_amx_silu(x, w->weight, w->scale, w->low, act, m, w->n, k, s->threads);
+        }
+    if (project(w, s, x, gate_up, k)) return -1;
+    silu_and_mul(gate_up, act, m, l->intermediate);
     return 0;
 }
 
@@ -99,9 +123,8 @@ static int mlp_block(const Layer *l, const Step *s, uint16_t *x, uint16_t *norme
                      uint16_t *act, uint16_t *delta) {
     int64_t m = s->tokens;
     rms_norm_bf16(x, l->post_attention_norm, normed, m, l->hidden, l->eps, s->threads);
-    if (project(&l->gate_up, normed, gate_up, m, l->hidden, s->threads)) return -1;
-    silu_and_mul(gate_up, act, m, l->intermediate);
-    if (project(&l->down, act, delta, m, l->intermediate, s->threads)) return -1;
+    if (gated_projection(l, s, normed, gate_up, act)) return -1;
+    if (project(&l->down, s, act, delta, l->intermediate)) return -1;
     add_residual(x, delta, m * l->hidden);
     return 0;
 }
@@ -123,7 +146,7 @@ static int decode_layer(const Layer *l, const Step *s, uint16_t *x, uint16_t *sc
 
 // Runs `count` layers in order on x: [tokens, hidden] bf16, updated in place to the last
 // layer's output. Returns 0, or -1 when memory runs out or a shape is beyond the kernels;
-// x is then unspecified, so the caller checks shapes before (models/native_decode.py).
+// x is then unspecified, so the caller checks shapes before (backends/cpu/decode_stack.py).
 int decoder_layers_decode(const Layer *layers, int32_t count, const Step *s, uint16_t *x) {
     int64_t per_token = 0;
     for (int32_t i = 0; i < count; i++)

@@ -1,24 +1,29 @@
-// y[M, N] = x[M, K] . W[N, K]^T for bf16 x and bf16 y: the GEMM of every Linear at decode
-// batch sizes. W is bf16 (`gemm_bf16`), int8 codes with one float32 scale per output column
-// (`gemm_int8`: half the bytes to stream), or 4-bit codes in groups of 32 along K with a scale
-// and a minimum per group and column (`gemm_int4`: a quarter). Each format has its own inner
-// loop, below; what they share: W packed once in blocks of 16 output columns, register tiles
-// of a few rows by 16-64 columns whose sums stay in registers over K, each thread an equal share
-// of the columns.
+// y[M, N] = x[M, K] . W[N, K]^T for bf16 x and bf16 y: the GEMM of every Linear below the
+// sizes where a library GEMM takes over. W is bf16 (`gemm_bf16`), int8 codes with one float32
+// scale per output column (`gemm_int8`: half the bytes to stream), or 4-bit codes in groups of
+// 32 along K with a scale and a minimum per group and column (`gemm_int4`: a quarter). Each
+// format has an AVX-512 inner loop and, on CPUs with AMX, a tile version (`gemm_*_amx`, at the
+// end) that reads the same packed W; backends/cpu/linear.py decides which serves how many rows. What
+// they share: W packed once in blocks of 16 output columns, sums that stay in registers or
+// tiles over K, each thread an equal share of the columns.
 //
 // On CPUs without AMX, oneDNN's bf16 kernel and a vdpbf16ps kernel both top out near 75
 // GFLOP/s per core, while float32 FMAs reach 110-120: so W stays bf16 in memory (half the
 // bytes to stream) and is widened to float32 in registers, x is widened once per call.
-// bf16 W is packed once (layers/linear.py) as [N/16][K][16]: each K step of 16 output columns
-// is one 32-byte load. A tile of MR rows x 64 columns keeps its 4*MR sums in registers over
-// the whole K loop; each thread streams its share of W's columns once per MR rows (from cache
-// after the first).
+// bf16 W is packed once (backends/cpu/linear.py) as [N/16][K/2][16][2]: each pair of K steps of 16
+// output columns is one 64-byte load, and the layout of AMX's B tiles (16 pairs of K steps x
+// 16 columns). A shift (even K step) or a mask (odd) widens it to float32. A tile of MR rows x
+// 64 columns keeps its 4*MR sums in registers over the whole K loop; each thread streams its
+// share of W's columns once per MR rows (from cache after the first).
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
+#include "vector_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -26,7 +31,16 @@
 #define MR 6
 #define NR 4  // 16-column blocks per tile
 
-static inline __m512 widen(const uint16_t *bf16) {  // 16 bf16 -> float32: the bits move to the top half
+// 16 columns' pair of bf16 K steps -> the even (first) or odd step as float32
+static inline __m512 even_step(const uint16_t *pairs) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(pairs), 16));
+}
+
+static inline __m512 odd_step(const uint16_t *pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(pairs), _mm512_set1_epi32((int)0xFFFF0000)));
+}
+
+static inline __m512 widen16(const uint16_t *bf16) {  // 16 consecutive bf16 -> float32
     __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bf16));
     return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
 }
@@ -43,11 +57,16 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
     __m512 acc[MR][NR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk++) {
+    for (int64_t p = 0; p < k / 2; p++) {  // K steps in order, as the sums were always taken
         __m512 b[NR];
-        for (int j = 0; j < nr; j++) b[j] = widen(w + (j * k + kk) * 16);
+        for (int j = 0; j < nr; j++) b[j] = even_step(w + (j * k / 2 + p) * 32);
         for (int i = 0; i < mr; i++) {
-            __m512 a = _mm512_set1_ps(x[i * k + kk]);
+            __m512 a = _mm512_set1_ps(x[i * k + 2 * p]);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+        }
+        for (int j = 0; j < nr; j++) b[j] = odd_step(w + (j * k / 2 + p) * 32);
+        for (int i = 0; i < mr; i++) {
+            __m512 a = _mm512_set1_ps(x[i * k + 2 * p + 1]);
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
         }
     }
@@ -97,10 +116,10 @@ static float *widened_rows(const uint16_t *x, int64_t count) {
 
 int gemm_bf16_available(void) { return 1; }
 
-// Returns 0, or -1 when N is not a multiple of 16 or memory runs out.
+// Returns 0, or -1 when N is not a multiple of 16, K is odd or memory runs out.
 int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
               int threads) {
-    float *xf = n % 16 ? NULL : widened_rows(x, m * k);
+    float *xf = n % 16 || k % 2 ? NULL : widened_rows(x, m * k);
     if (!xf) return -1;
 #pragma omp parallel num_threads(threads)
     {
@@ -118,9 +137,11 @@ int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t 
 // 32767: an error below 1/65534 of the row's largest value, far under bf16's own rounding of
 // x), and `vpdpwssd` multiplies pairs of 16-bit activations and sign-extended codes into
 // int32 sums: two ops per 32 multiply-adds, where widening codes to float32 took six. Codes
-// are packed [N/16][K/2][16 columns][2]: a pair of K steps per column, 32 bytes per pair step.
-// The int32 sums move to float32 every INT8_FLUSH pair steps, before they could overflow
-// (128 * 2 * 32767 * 127 < 2^31).
+// are packed [N/16][K/4][16 columns][4]: four K steps per column in the order k0 k2 k1 k3, 64
+// bytes per quad step. Shifting each 16-bit half left and back (arithmetic) gives the
+// sign-extended pair (k0, k1), shifting it right gives (k2, k3); the same bytes are AMX's
+// int8 B tiles (the tile kernel permutes x's bytes alike). The int32 sums move to float32
+// every INT8_FLUSH pair steps, before they could overflow (128 * 2 * 32767 * 127 < 2^31).
 #define INT8_FLUSH 128
 
 #if defined(__AVX512VNNI__)
@@ -129,14 +150,24 @@ static inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) { return _mm5
 static inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 #endif
 
+// x / row_scale rounded to nearest even, 16 values at a time (as lrintf rounds one); the scalar
+// loop this replaced (fmaxf, lrintf) cost ~6 ns per value, the whole GEMM at 16 columns.
 static int16_t *fixed_point_rows(const uint16_t *x, int64_t m, int64_t k, float *row_scale) {
     int16_t *xq = malloc(sizeof(int16_t) * m * k);
     for (int64_t i = 0; xq && i < m; i++) {
-        float largest = 0.f;
-        for (int64_t c = 0; c < k; c++) largest = fmaxf(largest, fabsf(bf16_to_float(x[i * k + c])));
-        row_scale[i] = largest > 0.f ? largest / 32767.f : 1.f;
+        const uint16_t *row = x + i * k;
+        __m512 largest = _mm512_setzero_ps();
+        int64_t c = 0;
+        for (; c + 16 <= k; c += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(widen16(row + c)));
+        float top = _mm512_reduce_max_ps(largest);
+        for (; c < k; c++) top = fmaxf(top, fabsf(bf16_to_float(row[c])));
+        row_scale[i] = top > 0.f ? top / 32767.f : 1.f;
         float inverse = 1.f / row_scale[i];
-        for (int64_t c = 0; c < k; c++) xq[i * k + c] = (int16_t)lrintf(bf16_to_float(x[i * k + c]) * inverse);
+        for (c = 0; c + 16 <= k; c += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(row + c), _mm512_set1_ps(inverse)));
+            _mm256_storeu_si256((__m256i *)(xq + i * k + c), _mm512_cvtepi32_epi16(q));
+        }
+        for (; c < k; c++) xq[i * k + c] = (int16_t)lrintf(bf16_to_float(row[c]) * inverse);
     }
     return xq;
 }
@@ -152,17 +183,20 @@ static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, c
         __m512i acc[MR][NR];
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_si512();
-        for (int64_t p = first; p < last; p++) {
-            __m512i b[NR];
-            for (int j = 0; j < nr; j++)
-                b[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + (j * k / 2 + p) * 32)));
-            for (int i = 0; i < mr; i++) {
-                int32_t pair;
-                __builtin_memcpy(&pair, xq + i * k + 2 * p, sizeof pair);
-                __m512i a = _mm512_set1_epi32(pair);
-                for (int j = 0; j < nr; j++) acc[i][j] = dot_int16(acc[i][j], a, b[j]);
+        for (int64_t q = first / 2; q < last / 2; q++)
+            for (int half = 0; half < 2; half++) {  // pair steps 2q and 2q + 1, in order
+                __m512i b[NR];
+                for (int j = 0; j < nr; j++) {
+                    __m512i quads = _mm512_loadu_si512(w + (j * k / 4 + q) * 64);
+                    b[j] = half ? _mm512_srai_epi16(quads, 8) : _mm512_srai_epi16(_mm512_slli_epi16(quads, 8), 8);
+                }
+                for (int i = 0; i < mr; i++) {
+                    int32_t pair;
+                    __builtin_memcpy(&pair, xq + i * k + 4 * q + 2 * half, sizeof pair);
+                    __m512i a = _mm512_set1_epi32(pair);
+                    for (int j = 0; j < nr; j++) acc[i][j] = dot_int16(acc[i][j], a, b[j]);
+                }
             }
-        }
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nr; j++) total[i][j] = _mm512_add_ps(total[i][j], _mm512_cvtepi32_ps(acc[i][j]));
     }
@@ -195,10 +229,10 @@ static inline __attribute__((always_inline)) void column_tile_int8(const int16_t
     }
 }
 
-// Returns 0, or -1 when N % 16 or K % 2 is not zero or memory runs out.
+// Returns 0, or -1 when N % 16 or K % 4 is not zero or memory runs out.
 int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
               int64_t k, int threads) {
-    float *row_scale = n % 16 || k % 2 ? NULL : malloc(sizeof(float) * m);
+    float *row_scale = n % 16 || k % 4 ? NULL : malloc(sizeof(float) * m);
     int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
     if (!xq) {
         free(row_scale);
@@ -315,6 +349,388 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
     free(row_scale);
     return 0;
 }
+// --- AMX tiles ------------------------------------------------------------------------------
+// The same products on AMX's tile unit, for the row counts where it wins (backends/cpu/linear.py):
+// one `tdpbf16ps` multiplies a tile of 16 rows x 32 K steps of x by 32 K steps x 16 columns of
+// W into 16 x 16 float32 sums, 16 times the multiply-adds of an AVX-512 FMA (amx.h). Sums stay
+// in tiles over the whole K loop, a block of up to 32 rows x 32 columns at a time. Each thread
+// takes its share of W's columns, a panel of two 16-column blocks at a time, and runs every row
+// block over the panel while it is in cache.
+// - bf16: W's packed pairs are B tiles as they lie; float32 sums like the FMA loop's, in
+//   another order.
+// - int8, below INT8_WIDEN_MIN_ROWS rows: x in 16-bit fixed point as for `gemm_int8`, split into
+//   a signed high byte and an unsigned low byte (xq = 256 hi + lo, the bytes of each quad
+//   permuted as the codes are); `tdpbssd` (hi) and `tdpbusd` (lo) against the codes as they lie
+//   give exact int32 sums, joined in float32 once at the end. Two sums per block of 16 x 16, so
+//   a block is 16 rows x 32 columns.
+// - int8 from INT8_WIDEN_MIN_ROWS rows, and int4: a panel's codes are first widened into a
+//   per-thread buffer in the bf16 pair layout, then multiplied as bf16 with x as it is: int8
+//   codes exactly (the scale applied per column at the end), int4 as bf16 values q * scale + low
+//   (computed in float32 and rounded once: a relative error up to 2^-9 of each weight, under a
+//   tenth of its 4-bit step).
+// Each has a `_silu` form for a fused gate/up projection, W = [gate; up] of 2I rows: a panel
+// pairs gate block j with up block j + I/16, and the epilogue writes silu(gate) * up (float32,
+// rounded to bf16 once) into y [M][I], where torch rounded gate, up, silu and the product.
+// K must be a multiple of 32 (bf16, int4) or 64 (int8); other shapes keep the loops above.
+#ifdef HAVE_AMX
+
+// int8 rows from which widening codes to bf16 beats the integer tiles, where converting x to
+// fixed point, splitting it and two sums per tile cost more than widening a panel once for
+// many rows. Either path against bf16 tiles on the same shape (one thread, best of 40, AMX
+// machine), M x N x K: 64 x 3072 x 576 widened 0.93x, integer 1.23x; 128 x 3072 x 576 0.87x /
+// 0.97x; 128 x 576 x 1536 1.01x / 0.68x; 128 x 960 x 576 0.70x / 0.69x; at 256 rows 1.0-1.07x /
+// 0.73-0.88x; at 512 the integer tiles 0.60-0.91x.
+#define INT8_WIDEN_MIN_ROWS 128
+
+int gemm_amx_available(void) { return amx_ready(); }
+
+static inline int min_int(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
+
+// What a block's sums become: bf16 columns of y, times scale[col] when given; or, with silu,
+// silu(first block) * second block into 16 columns of y.
+typedef struct {
+    const float *scale;
+    int silu;
+} Epilogue;
+
+// A row of one or two 16-column blocks of float32 sums to bf16 y, as one store (cvtne2ps2bf16
+// rounds to nearest even, as store_bf16 does, and flushes denormals, which sums of products of
+// bf16 weights and activations do not reach): a whole cache line per row of a 32-column panel.
+static inline void store_row(uint16_t *y, __m512 first, __m512 second, int cols, const Epilogue *e) {
+    if (e->scale) {
+        first = _mm512_mul_ps(first, _mm512_loadu_ps(e->scale));
+        if (cols == 2) second = _mm512_mul_ps(second, _mm512_loadu_ps(e->scale + 16));
+    }
+    if (e->silu)
+        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(silu_times(first, second)));
+    else if (cols == 2)
+        _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+    else
+        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(first));
+}
+
+// One block of up to 32 rows x 32 columns (two column blocks w0, w1 of bf16 pairs) into y.
+static void amx_bf16_block(const uint16_t *x, int rows, int64_t k, const uint16_t *w0, const uint16_t *w1, int cols,
+                           const Epilogue *e, uint16_t *y, int64_t n, TileConfig *config) {
+    float sums[4][256] __attribute__((aligned(64)));
+    int top = amx_bf16_sums(x, k, rows, k, w0, w1, cols, config, sums);
+    for (int r = 0; r < rows; r++) {
+        const float *row = sums[(r >= top) * 2] + 16 * (r % 16);
+        store_row(y + r * n, _mm512_load_ps(row), _mm512_load_ps(row + 256), cols, e);
+    }
+}
+
+// Every row block of x over one panel of W.
+static void amx_bf16_panel(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w0, const uint16_t *w1, int cols,
+                           const Epilogue *e, uint16_t *y, int64_t n, TileConfig *config) {
+    for (int64_t i = 0; i < m; i += 32)
+        amx_bf16_block(x + i * k, min_int(32, m - i), k, w0, w1, cols, e, y + i * n, n, config);
+}
+
+// The column blocks of W a thread's panels pair up, and where their columns go in y: blocks b
+// and b + 1 into columns 16 b.., or (silu) gate block b and up block b + half into 16 b..
+typedef struct {
+    int64_t first, second, out;
+    int cols;
+} Panel;
+
+static Panel panel_at(int64_t b, int64_t end, int silu, int64_t half) {
+    if (silu) return (Panel){b, b + half, 16 * b, 2};
+    return (Panel){b, b + 1, 16 * b, end - b < 2 ? 1 : 2};
+}
+
+// Output blocks: N/16 of y's columns, or (silu) the I/16 gate blocks.
+static int64_t output_blocks(int64_t n, int silu) { return silu ? n / 32 : n / 16; }
+
+static int gemm_bf16_tiles(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                           int threads, int silu) {
+    if (n % (silu ? 32 : 16) || k % 32 || !amx_ready()) return -1;
+    int64_t blocks = output_blocks(n, silu), width = silu ? n / 2 : n;
+    Epilogue e = {NULL, silu};
+#pragma omp parallel num_threads(threads)
+    {
+        TileConfig config = {0};
+        int64_t begin, end;
+        thread_blocks(blocks, &begin, &end);
+        for (int64_t b = begin; b < end; b += silu ? 1 : 2) {
+            Panel p = panel_at(b, end, silu, blocks);
+            amx_bf16_panel(x, m, k, w_packed + p.first * 16 * k, w_packed + p.second * 16 * k, p.cols, &e, y + p.out,
+                           width, &config);
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+// Returns 0, or -1 when N % 16 or K % 32 is not zero or AMX is unavailable.
+int gemm_bf16_amx(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    return gemm_bf16_tiles(x, w_packed, y, m, n, k, threads, 0);
+}
+
+// y [M][N/2] = silu(gate) * up; -1 when N % 32 or K % 32 is not zero or AMX is unavailable.
+int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                       int threads) {
+    return gemm_bf16_tiles(x, w_packed, y, m, n, k, threads, 1);
+}
+
+// (256 hi + lo) * scale[col] * row_scale for 16 columns of row r.
+static inline __m512 split_sum(const int32_t *hi, const int32_t *lo, int r, float row_scale, const float *scale) {
+    __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(hi + 16 * r)), _mm512_set1_ps(256.f),
+                                   _mm512_cvtepi32_ps(_mm512_load_si512(lo + 16 * r)));
+    return _mm512_mul_ps(total, _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(row_scale)));
+}
+
+// int8: one row tile (rows <= 16) of split bytes [rows][k] times one or two column blocks of codes.
+static inline __attribute__((always_inline)) void amx_int8_tiles(const int8_t *hi, const uint8_t *lo, int64_t k,
+                                                                 const int8_t *w0, const int8_t *w1, int cols,
+                                                                 int32_t (*sums)[256]) {
+    _tile_zero(0);
+    _tile_zero(2);
+    if (cols == 2) {
+        _tile_zero(1);
+        _tile_zero(3);
+    }
+    for (int64_t s = 0; s < k / 64; s++) {
+        _tile_loadd(6, w0 + s * 1024, 64);
+        if (cols == 2) _tile_loadd(7, w1 + s * 1024, 64);
+        _tile_loadd(4, hi + s * 64, k);
+        _tile_loadd(5, lo + s * 64, k);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+        if (cols == 2) {
+            _tile_dpbssd(1, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(2, sums[2], 64);
+    if (cols == 2) {
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(3, sums[3], 64);
+    }
+}
+
+// scale0, scale1: the columns' scales of the two blocks (silu: gate's and up's).
+static void amx_int8_block(const int8_t *hi, const uint8_t *lo, const float *row_scale, int rows, int64_t k,
+                           const int8_t *w0, const int8_t *w1, const float *scale0, const float *scale1, int cols,
+                           const Epilogue *e, uint16_t *y, int64_t n, TileConfig *config) {
+    uint8_t shape[8] = {rows, rows, rows, rows, rows, rows, 16, 16};
+    configure_tiles(shape, config);
+    int32_t sums[4][256] __attribute__((aligned(64)));
+    if (cols == 2) amx_int8_tiles(hi, lo, k, w0, w1, 2, sums);
+    else amx_int8_tiles(hi, lo, k, w0, w1, 1, sums);
+    Epilogue scaled = {NULL, e->silu};  // the scales are in split_sum
+    for (int r = 0; r < rows; r++)
+        store_row(y + r * n, split_sum(sums[0], sums[2], r, row_scale[r], scale0),
+                  cols == 2 ? split_sum(sums[1], sums[3], r, row_scale[r], scale1) : _mm512_setzero_ps(), cols, &scaled);
+}
+
+// Fixed-point rows as signed high and unsigned low bytes, each quad of K steps in the codes'
+// order k0 k2 k1 k3; count is a multiple of 64 (K is).
+static void split_bytes(const int16_t *xq, int64_t count, int8_t *hi, uint8_t *lo) {
+    static const uint16_t quads[32] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                       16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
+    const __m512i order = _mm512_loadu_si512(quads);
+    for (int64_t i = 0; i < count; i += 32) {
+        __m512i v = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(xq + i));
+        _mm256_storeu_si256((__m256i *)(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+        _mm256_storeu_si256((__m256i *)(lo + i), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xFF))));
+    }
+}
+
+static int gemm_int8_split(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                           int64_t n, int64_t k, int threads, int silu) {
+    float *row_scale = malloc(sizeof(float) * m);
+    int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
+    int8_t *hi = xq ? malloc(2 * m * k) : NULL;
+    if (!hi) {
+        free(xq);
+        free(row_scale);
+        return -1;
+    }
+    uint8_t *lo = (uint8_t *)hi + m * k;
+    split_bytes(xq, m * k, hi, lo);
+    int64_t blocks = output_blocks(n, silu), width = silu ? n / 2 : n;
+    Epilogue e = {NULL, silu};
+#pragma omp parallel num_threads(threads)
+    {
+        TileConfig config = {0};
+        int64_t begin, end;
+        thread_blocks(blocks, &begin, &end);
+        for (int64_t b = begin; b < end; b += silu ? 1 : 2) {
+            Panel p = panel_at(b, end, silu, blocks);
+            for (int64_t i = 0; i < m; i += 16)
+                amx_int8_block(hi + i * k, lo + i * k, row_scale + i, min_int(16, m - i), k, w_packed + p.first * 16 * k,
+                               w_packed + p.second * 16 * k, scale + 16 * p.first, scale + 16 * p.second, p.cols, &e,
+                               y + i * width + p.out, width, &config);
+        }
+        _tile_release();
+    }
+    free(hi);
+    free(xq);
+    free(row_scale);
+    return 0;
+}
+
+// Codes of one 16-column block widened to bf16 pairs [k/2][16][2] for the bf16 tiles.
+typedef struct {
+    const void *w;
+    const float *scale, *low;  // int4: per group and column; int8: NULL (exact codes)
+} Codes;
+
+// int8: quads [k/4][16][4] (k0 k2 k1 k3) -> the exact codes as bf16 pairs.
+static void widen_int8_block(const int8_t *w, int64_t k, uint16_t *out) {
+    for (int64_t q = 0; q < k / 4; q++) {
+        __m512i quads = _mm512_loadu_si512(w + q * 64);
+        __m512i pairs[2] = {_mm512_srai_epi16(_mm512_slli_epi16(quads, 8), 8), _mm512_srai_epi16(quads, 8)};
+        for (int h = 0; h < 2; h++) {  // each dword: two int16 codes, exact in float32 and in bf16
+            __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs[h], 16), 16));
+            __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs[h], 16));
+            __m512i bits = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                                     _mm512_castps_si512(odd), _mm512_set1_epi32((int)0xFFFF0000), 0xF8);
+            _mm512_storeu_si512(out + (2 * q + h) * 32, bits);  // 0xF8: a | (b & c)
+        }
+    }
+}
+
+// int4: codes [k/8][16][4 bytes], scale and low [k/32][16] -> bf16 pairs of q * scale + low.
+static void widen_int4_block(const uint8_t *w, const float *scale, const float *low, int64_t k, uint16_t *out) {
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_loadu_si512(interleave), nibbles = _mm512_set1_epi32(0x000F000F);
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        __m512 s = _mm512_loadu_ps(scale + g * 16), m = _mm512_loadu_ps(low + g * 16);
+        for (int c = 0; c < GROUP / 8; c++) {
+            __m512i codes = _mm512_loadu_si512(w + (g * GROUP / 8 + c) * 64);
+            for (int t = 0; t < 4; t++) {  // K steps 2t and 2t + 1 of the dword, as for `tile_int4`
+                __m512i pair = _mm512_and_si512(_mm512_srli_epi32(codes, 4 * t), nibbles);
+                __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF))), s, m);
+                __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16)), s, m);
+                __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // even steps, then odd
+                _mm512_storeu_si512(out + ((g * GROUP / 8 + c) * 4 + t) * 32, _mm512_permutexvar_epi16(order, halves));
+            }
+        }
+    }
+}
+
+static void widen_block(const Codes *c, int64_t b, int64_t k, uint16_t *out) {
+    if (c->low)
+        widen_int4_block((const uint8_t *)c->w + b * 8 * k, c->scale + b * 16 * (k / GROUP), c->low + b * 16 * (k / GROUP),
+                         k, out);
+    else
+        widen_int8_block((const int8_t *)c->w + b * 16 * k, k, out);
+}
+
+// int8 (scale per column applied at the end) or int4, through a widened panel per thread.
+static int gemm_widened(const uint16_t *x, const Codes *codes, const float *column_scale, uint16_t *y, int64_t m,
+                        int64_t n, int64_t k, int threads, int silu) {
+    int failed = 0;
+    int64_t blocks = output_blocks(n, silu), width = silu ? n / 2 : n;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * 32 * k);
+        TileConfig config = {0};
+        int64_t begin, end;
+        thread_blocks(blocks, &begin, &end);
+        for (int64_t b = begin; panel && b < end; b += silu ? 1 : 2) {
+            Panel p = panel_at(b, end, silu, blocks);
+            widen_block(codes, p.first, k, panel);
+            if (p.cols == 2) widen_block(codes, p.second, k, panel + 16 * k);
+            float scaled[32];  // the panel's two blocks' column scales (silu: gate's and up's)
+            const float *scale = NULL;
+            if (column_scale) {
+                memcpy(scaled, column_scale + 16 * p.first, 16 * sizeof(float));
+                memcpy(scaled + 16, column_scale + 16 * p.second, 16 * sizeof(float));
+                scale = scaled;
+            }
+            Epilogue e = {scale, silu};
+            amx_bf16_panel(x, m, k, panel, panel + 16 * k, p.cols, &e, y + p.out, width, &config);
+        }
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        _tile_release();
+        free(panel);
+    }
+    return failed ? -1 : 0;
+}
+
+static int gemm_int8_tiles(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                           int64_t n, int64_t k, int threads, int silu) {
+    if (n % (silu ? 32 : 16) || k % 64 || !amx_ready()) return -1;
+    if (m < INT8_WIDEN_MIN_ROWS) return gemm_int8_split(x, w_packed, scale, y, m, n, k, threads, silu);
+    Codes codes = {w_packed, NULL, NULL};
+    return gemm_widened(x, &codes, scale, y, m, n, k, threads, silu);
+}
+
+// Returns 0, or -1 when N % 16 or K % 64 is not zero, AMX is unavailable or memory runs out.
+int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
+                  int64_t k, int threads) {
+    return gemm_int8_tiles(x, w_packed, scale, y, m, n, k, threads, 0);
+}
+
+// y [M][N/2] = silu(gate) * up; -1 when N % 32 or K % 64 is not zero, AMX is unavailable or
+// memory runs out.
+int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                       int64_t n, int64_t k, int threads) {
+    return gemm_int8_tiles(x, w_packed, scale, y, m, n, k, threads, 1);
+}
+
+static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low,
+                           uint16_t *y, int64_t m, int64_t n, int64_t k, int threads, int silu) {
+    if (n % (silu ? 32 : 16) || k % GROUP || !amx_ready()) return -1;
+    Codes codes = {w_packed, scale, low};
+    return gemm_widened(x, &codes, NULL, y, m, n, k, threads, silu);
+}
+
+// Returns 0, or -1 when N % 16 or K % 32 is not zero, AMX is unavailable or memory runs out.
+int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                  int64_t m, int64_t n, int64_t k, int threads) {
+    return gemm_int4_tiles(x, w_packed, scale, low, y, m, n, k, threads, 0);
+}
+
+// y [M][N/2] = silu(gate) * up; -1 when N % 32 or K % 32 is not zero, AMX is unavailable or
+// memory runs out.
+int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                       int64_t m, int64_t n, int64_t k, int threads) {
+    return gemm_int4_tiles(x, w_packed, scale, low, y, m, n, k, threads, 1);
+}
+#else
+int gemm_amx_available(void) { return 0; }
+
+// built without AMX: gemm_amx_available() tells callers to keep the loops above
+int gemm_bf16_amx(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    return -1;
+}
+
+int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
+                  int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                  int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                       int threads) {
+    return -1;
+}
+
+int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                       int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                       int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+#endif
 #else
 int gemm_bf16_available(void) { return 0; }
 
@@ -331,6 +747,38 @@ int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uin
 
 int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
               int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_amx_available(void) { return 0; }
+
+int gemm_bf16_amx(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    return -1;
+}
+
+int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
+                  int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                  int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                       int threads) {
+    return -1;
+}
+
+int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                       int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                       int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
 #endif

@@ -19,6 +19,10 @@
 // weighted sums into `out`. Threads split the panels of each GEMM.
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "amx.h"
+#include "vector_math.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -31,54 +35,9 @@
 // L1 block of activations, +2-5% prefill (A/B, three runs).
 #define MC 144
 
-static inline __m512 exp512(__m512 x) {  // Cephes expf: 2^n * p(r), |r| <= ln2/2
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-103.f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 silu_times(__m512 gate, __m512 up) {
-    __m512 one = _mm512_set1_ps(1.f);
-    __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-    return _mm512_mul_ps(_mm512_mul_ps(gate, sig), up);
-}
-
 static inline __m512 widen(const uint16_t *bf16) {  // 16 bf16 -> float32: the bits move to the top half
     __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bf16));
     return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
-
-static inline void transpose16(__m512 r[16]) {  // r[i][j] <- r[j][i]
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4)
-        for (int j = 0; j < 2; j++) {
-            __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
-            r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-            r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 16; j += 8) {
-            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-    }
 }
 
 // Tokens of one block widened and laid token-major, xp[k][TB], zero past `count`: 16 tokens x
@@ -277,12 +236,137 @@ int moe_expert_silu(const uint16_t *x, const int64_t *tokens, const float *weigh
     free(gp);
     return failed ? -1 : 0;
 }
+// --- AMX tiles --------------------------------------------------------------------------------
+// The same expert on AMX's bf16 tiles (amx.h), where oneDNN's bf16 GEMM already outruns the
+// float32 loops above. Tokens lie along the tiles' rows here, features along their columns:
+// - the group's rows of x are gathered into one bf16 matrix [m][H];
+// - gate/up: each thread takes 16 features at a time, packs their gate rows and their up rows
+//   into the tiles' pair layout (a 16 x 16 transpose of K-step pairs per 32 K steps), and
+//   multiplies every block of 32 tokens by the two: the sums' epilogue writes silu(gate) * up,
+//   rounded to bf16 once, into the down projection's input [m][I];
+// - down: 32 output features at a time, packed the same way; the epilogue adds weight * sum
+//   into each token's float32 output row.
+// Each weight row is read from memory and packed once per call; packing costs a few shuffles
+// per 32 K steps, shared by all of the group's tokens. H and I must be multiples of 32.
+#ifdef HAVE_AMX
+
+int moe_expert_amx_available(void) { return amx_ready(); }
+
+// 16 rows (features) of a row-major bf16 weight, stride `stride`, K steps [0, k) -> pairs
+// [k/2][16][2] (amx.h): pair p of every feature is one 64-byte row.
+static void pack_features(const uint16_t *rows, int64_t stride, int64_t k, uint16_t *out) {
+    for (int64_t s = 0; s < k / 32; s++) {
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512(rows + i * stride + 32 * s));
+        transpose16(r);
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512(out + (16 * s + p) * 32, _mm512_castps_si512(r[p]));
+    }
+}
+
+static inline void store_bf16(uint16_t *dst, __m512 v) {  // round to nearest even
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+// act[j][f0..f0+15] = silu(gate) * up for every token j, from the packed gate and up rows.
+static void gate_up_features(const uint16_t *xs, int64_t m, int64_t h, const uint16_t *gate, const uint16_t *up,
+                             uint16_t *act, int64_t inter, TileConfig *config) {
+    float sums[4][256] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < m; i += 32) {
+        int rows = m - i < 32 ? (int)(m - i) : 32;
+        int top = amx_bf16_sums(xs + i * h, h, rows, h, gate, up, 2, config, sums);
+        for (int r = 0; r < rows; r++) {
+            const float *g = sums[(r >= top) * 2] + 16 * (r % 16), *u = sums[(r >= top) * 2 + 1] + 16 * (r % 16);
+            store_bf16(act + (i + r) * inter, silu_times(_mm512_load_ps(g), _mm512_load_ps(u)));
+        }
+    }
+}
+
+// out[tokens[j]][f0..f0+16 cols) += weights[j] * (down rows . act_j) for every token j.
+static void down_features(const uint16_t *act, int64_t m, int64_t inter, const uint16_t *w0, const uint16_t *w1,
+                          int cols, const int64_t *tokens, const float *weights, float *out, int64_t h,
+                          TileConfig *config) {
+    float sums[4][256] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < m; i += 32) {
+        int rows = m - i < 32 ? (int)(m - i) : 32;
+        int top = amx_bf16_sums(act + i * inter, inter, rows, inter, w0, w1, cols, config, sums);
+        for (int r = 0; r < rows; r++) {
+            float *dst = out + tokens[i + r] * h;
+            __m512 w = _mm512_set1_ps(weights[i + r]);
+            for (int c = 0; c < cols; c++)
+                _mm512_storeu_ps(dst + 16 * c, _mm512_fmadd_ps(w, _mm512_load_ps(sums[(r >= top) * 2 + c] + 16 * (r % 16)),
+                                                               _mm512_loadu_ps(dst + 16 * c)));
+        }
+    }
+}
+
+// Returns 0, or -1 when H or I is not a multiple of 32, AMX is unavailable or memory runs out.
+// Same arguments and result as moe_expert_silu, in bf16 tiles (the activations rounded to bf16).
+int moe_expert_silu_amx(const uint16_t *x, const int64_t *tokens, const float *weights, int64_t m,
+                        const uint16_t *gate_up, const uint16_t *down, float *out, int64_t h, int64_t inter,
+                        int threads) {
+    if (h % 32 || inter % 32 || !amx_ready()) return -1;
+    uint16_t *xs = malloc(sizeof(uint16_t) * m * (h + inter));
+    int failed = !xs;
+#pragma omp parallel num_threads(threads) if (!failed)
+    {
+        int64_t k = h > inter ? h : inter;
+        uint16_t *panel = failed ? NULL : aligned_alloc(64, sizeof(uint16_t) * 32 * k);
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            TileConfig config = {0};
+            uint16_t *act = xs + m * h;
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < m; j++) memcpy(xs + j * h, x + tokens[j] * h, sizeof(uint16_t) * h);
+#pragma omp for schedule(static)
+            for (int64_t f = 0; f < inter; f += 16) {
+                pack_features(gate_up + f * h, h, h, panel);
+                pack_features(gate_up + (inter + f) * h, h, h, panel + 16 * h);
+                gate_up_features(xs, m, h, panel, panel + 16 * h, act + f, inter, &config);
+            }
+#pragma omp for schedule(static)
+            for (int64_t f = 0; f < h; f += 32) {
+                int cols = h - f < 32 ? 1 : 2;
+                for (int c = 0; c < cols; c++) pack_features(down + (f + 16 * c) * inter, inter, inter, panel + c * 16 * inter);
+                down_features(act, m, inter, panel, panel + 16 * inter, cols, tokens, weights, out + f, h, &config);
+            }
+            _tile_release();
+        }
+        free(panel);
+    }
+    free(xs);
+    return failed ? -1 : 0;
+}
+#else
+int moe_expert_amx_available(void) { return 0; }
+
+// built without AMX: moe_expert_amx_available() tells callers to keep the loops above
+int moe_expert_silu_amx(const uint16_t *x, const int64_t *tokens, const float *weights, int64_t m,
+                        const uint16_t *gate_up, const uint16_t *down, float *out, int64_t h, int64_t inter,
+                        int threads) {
+    return -1;
+}
+#endif
 #else
 int moe_expert_available(void) { return 0; }
 
 // built without AVX-512: moe_expert_available() tells callers to keep the torch path
 int moe_expert_silu(const uint16_t *x, const int64_t *tokens, const float *weights, int64_t m, const uint16_t *gate_up,
                     const uint16_t *down, float *out, int64_t h, int64_t inter, int threads) {
+    return -1;
+}
+
+int moe_expert_amx_available(void) { return 0; }
+
+int moe_expert_silu_amx(const uint16_t *x, const int64_t *tokens, const float *weights, int64_t m,
+                        const uint16_t *gate_up, const uint16_t *down, float *out, int64_t h, int64_t inter,
+                        int threads) {
     return -1;
 }
 #endif

@@ -23,7 +23,7 @@ typedef struct {
     float scale;
 } PagedAttention;
 
-// Read by backends/cpu/abi.py: the per-task buffers' limits (models/native_decode.py checks shapes against
+// Read by backends/cpu/abi.py: the per-task buffers' limits (backends/cpu/decode_stack.py checks shapes against
 // them before a call), and the sizes its mirrors of the structs are checked against.
 const int32_t paged_attention_max_group = MAX_GROUP, paged_attention_max_head_dim = MAX_DIM,
               paged_attention_max_block = MAX_BLOCK;

@@ -2,14 +2,15 @@
 
 At one token per sequence a layer's arithmetic takes microseconds, and the torch path's
 Python (module calls, per-kernel ctypes conversions, tensor allocations) cost more than
-reading the layer's weights. A `NativeDecoder` describes a model's layers to the C code
+reading the layer's weights. A `DecodeStack` describes a model's layers to the C code
 once (packed weights, norms, KV caches, shapes); each step then costs one call, with a
 description of the step (positions, slots, block tables) built once from its metadata.
 
-It serves steps where every token decodes (no prefill chunk), below UPCAST_MIN_ROWS tokens,
+It serves steps where every token decodes (no prefill chunk), up to the policy's bound on tokens,
 in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8
 or int4), no biases, no q/k norms, a SiLU MLP and a dense bf16 KV cache; anything else
 returns None and takes the torch path, which stays the reference this one is tested against.
+The GEMMs take the kernels the backend's GemmPolicy picks for the step's number of tokens.
 """
 from __future__ import annotations
 
@@ -21,24 +22,16 @@ from torch import nn
 
 from slipstream.attention.metadata import get_metadata
 from slipstream.backends.cpu import abi
+from slipstream.backends.cpu.linear import GemmPolicy
 from slipstream.kvcache.cache import LayerKVCache
-from slipstream.layers.linear import UPCAST_MIN_ROWS, Linear
-from slipstream.layers.quantization import Int4Linear, Int8Linear
+from slipstream.layers.linear import Linear
 
 
 def packed_weight(linear: nn.Module, lib: abi.Kernels) -> abi.Weight | None:
     """The C description of a projection with a native packed weight and no bias, else None."""
-    if getattr(linear, "bias", None) is not None or getattr(linear, "packed", None) is None:
+    if not isinstance(linear, Linear) or linear.bias is not None or not hasattr(linear.method, "weight_struct"):
         return None
-    if isinstance(linear, Linear) and linear.native:
-        return abi.Weight(lib.weight_kind_bf16, linear.packed.data_ptr(), None, None, linear.out_features)
-    if isinstance(linear, Int8Linear):
-        return abi.Weight(lib.weight_kind_int8, linear.packed.data_ptr(), linear.scale_f32.data_ptr(), None,
-                          linear.qweight.shape[0])
-    if isinstance(linear, Int4Linear):
-        return abi.Weight(lib.weight_kind_int4, linear.packed.data_ptr(), linear.packed_scale.data_ptr(),
-                          linear.packed_low.data_ptr(), linear.packed.shape[0] * 16)
-    return None
+    return linear.method.weight_struct(linear, lib)
 
 
 def _layer(layer: nn.Module, lib: abi.Kernels) -> abi.Layer | None:
@@ -62,30 +55,39 @@ def _layer(layer: nn.Module, lib: abi.Kernels) -> abi.Layer | None:
                   norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.attn.scale)
 
 
-class NativeDecoder:
-    """A model's decoder layers described to `decoder_layers_decode` once."""
+class DecodeStack:
+    """A model's decoder layers, run whole for the decode steps the C code serves: the CPU
+    backend's fused decode stack. Its description of the layers is built on first use and
+    again whenever a KV cache is rebound."""
 
-    def __init__(self, layers: ctypes.Array):
-        self.layers = layers
+    def __init__(self, layers: nn.ModuleList, policy: GemmPolicy):
+        self.layers, self.policy = layers, policy
+        self._built: tuple[tuple, ctypes.Array | None] | None = None
 
-    @classmethod
-    def of(cls, layers: nn.ModuleList) -> NativeDecoder | None:
-        """The native form of `layers`, built on first use and again whenever a KV cache is
-        rebound; None when the kernel is unavailable or any layer does not fit."""
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
+        """Runs every layer on x in place and returns True when the step is one the stack
+        serves; False (x untouched) sends it down the torch path."""
+        layers = self.described()
+        step = None if layers is None else decode_step(positions, x, self.layers[0].self_attn.rotary, self.policy)
+        if step is None:
+            return False
+        self.run(layers, step, x)
+        return True
+
+    def described(self) -> ctypes.Array | None:
+        """The layers as `decoder_layers_decode` takes them; None when any does not fit."""
         lib = abi.kernels()
         if lib is None:
             return None
-        caches = tuple(layer.self_attn.attn.kv_cache for layer in layers)
-        built = getattr(layers, "_native_decode", None)
-        if built is None or any(a is not b for a, b in zip(built[0], caches)):
-            structs = [_layer(layer, lib) for layer in layers]
-            native = None if None in structs else cls((abi.Layer * len(structs))(*structs))
-            built = layers._native_decode = (caches, native)
-        return built[1]
+        caches = tuple(layer.self_attn.attn.kv_cache for layer in self.layers)
+        if self._built is None or any(a is not b for a, b in zip(self._built[0], caches)):
+            structs = [_layer(layer, lib) for layer in self.layers]
+            self._built = (caches, None if None in structs else (abi.Layer * len(structs))(*structs))
+        return self._built[1]
 
-    def __call__(self, x: torch.Tensor, step: abi.Step) -> None:
-        """Runs every layer on the contiguous decode rows x, in place."""
-        if abi.kernels().decoder_layers_decode(self.layers, len(self.layers), step, x.data_ptr()) != 0:
+    @staticmethod
+    def run(layers: ctypes.Array, step: abi.Step, x: torch.Tensor) -> None:
+        if abi.kernels().decoder_layers_decode(layers, len(layers), step, x.data_ptr()) != 0:
             raise MemoryError(f"native decode could not allocate scratch for {x.shape[0]} tokens")
 
 
@@ -93,18 +95,19 @@ def _dense_bf16(cache) -> bool:
     return isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and cache.k.device.type == "cpu"
 
 
-def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module) -> abi.Step | None:
+def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module, policy: GemmPolicy) -> abi.Step | None:
     """The step's shared C description when every row of x is a decode token, else None;
     built once per step and kept in the metadata's step cache."""
-    meta, tokens = get_metadata(), x.shape[0]
-    if (meta.prefills or meta.num_decodes != tokens or tokens >= UPCAST_MIN_ROWS or x.dtype != torch.bfloat16
+    meta, tokens, most = get_metadata(), x.shape[0], policy.decode_stack_max_tokens()
+    if (meta.prefills or meta.num_decodes != tokens or most is not None and tokens >= most or x.dtype != torch.bfloat16
             or x.device.type != "cpu" or not x.is_contiguous() or torch.is_grad_enabled()):
         return None
     key = "native decode step"
     if key not in meta.step_cache:
         tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
         positions = positions.contiguous()
+        amx = [policy.amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4")]  # the C code checks each K
         step = abi.Step(tokens, positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                        rotary.cos.data_ptr(), rotary.sin.data_ptr(), tables.shape[1], abi.threads())
+                        rotary.cos.data_ptr(), rotary.sin.data_ptr(), tables.shape[1], abi.threads(), (abi.I32 * 3)(*amx))
         meta.step_cache[key] = (step, tables, lens, positions)  # the tensors stay alive with the step
     return meta.step_cache[key][0]

@@ -6,13 +6,17 @@ import pytest
 import torch
 
 from slipstream import LLM, SamplingParams
-from slipstream.models.native_decode import NativeDecoder
+from slipstream.backends.cpu.decode_stack import DecodeStack
 from tests.conftest import build_tiny_checkpoint, random_prompts
 
 # bf16 on both sides; the paths round every intermediate alike except SiLU's exp (last float
-# bit before rounding to bf16): observed identical logprobs
+# bit before rounding to bf16): observed identical logprobs. Both paths run the same GEMM kernel
+# for a given number of tokens (backends/cpu/linear.py's GemmPolicy), so this holds for the AMX kernels too.
 LOGPROB_TOL = 1e-2
 CASES = [("llama", 4, None), ("llama", 1, None), ("llama", 2, "int8"), ("llama", 2, "int4"), ("mistral", 2, None)]
+# 4 sequences decode on the AVX-512 GEMMs; 16 reach every format's
+# AMX_MIN_ROWS, so that the AMX kernels run inside the native stack where the machine has them
+SEQUENCES = [4, 16]
 
 
 def _generate(path: str, quantization: str | None, prompts: list[list[int]], **engine_args):
@@ -25,29 +29,30 @@ def _generate(path: str, quantization: str | None, prompts: list[list[int]], **e
 
 def _count_calls(monkeypatch) -> list[int]:
     calls = [0]
-    original = NativeDecoder.__call__
+    original = DecodeStack.run
 
-    def counted(self, x, step):
+    def counted(layers, step, x):
         calls[0] += 1
-        return original(self, x, step)
+        return original(layers, step, x)
 
-    monkeypatch.setattr(NativeDecoder, "__call__", counted)
+    monkeypatch.setattr(DecodeStack, "run", staticmethod(counted))
     return calls
 
 
+@pytest.mark.parametrize("sequences", SEQUENCES)
 @pytest.mark.parametrize("family,num_kv_heads,quantization", CASES,
                          ids=[f"{f}-kv{k}-{q or 'bf16'}" for f, k, q in CASES])
-def test_native_decode_matches_the_per_kernel_path(gemm_isa, tmp_path, monkeypatch, family, num_kv_heads,
-                                                   quantization):
+def test_native_decode_matches_the_per_kernel_path(gemm_isa, tmp_path, monkeypatch, family, num_kv_heads, quantization,
+                                                    sequences):
     # mistral: a sliding window shorter than the sequences, so the window rule is exercised
     overrides = {"sliding_window": 12} if family == "mistral" else {}
     path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=num_kv_heads, seed=3, **overrides)
-    prompts = random_prompts(4, 3, 20, seed=2)  # ragged lengths: different positions and block tables per row
+    prompts = random_prompts(sequences, 3, 20, seed=2)  # ragged lengths: different positions and block tables per row
     calls = _count_calls(monkeypatch)
     llm, tokens, logprobs = _generate(path, quantization, prompts, block_size=4)
-    assert calls[0] == 9  # 9 decode steps of all four sequences
+    assert calls[0] == 9  # 9 decode steps of all the sequences
     assert llm.stats()["num_used_blocks"] == 0
-    monkeypatch.setattr(NativeDecoder, "of", lambda layers: None)
+    monkeypatch.setattr(DecodeStack, "described", lambda self: None)
     _, expected_tokens, expected_logprobs = _generate(path, quantization, prompts, block_size=4)
     assert tokens == expected_tokens
     torch.testing.assert_close(logprobs, expected_logprobs, atol=LOGPROB_TOL, rtol=0)
@@ -59,7 +64,7 @@ def test_layers_the_kernel_does_not_cover_keep_the_torch_path(gemm_isa, tmp_path
     calls = _count_calls(monkeypatch)
     llm, tokens, _ = _generate(path, None, random_prompts(2, 3, 8, seed=1))
     assert calls[0] == 0 and all(len(t) == 10 for t in tokens)
-    assert NativeDecoder.of(llm.engine.runner.model.model.layers) is None
+    assert llm.engine.runner.model.model.decode_stack.described() is None
 
 
 def test_turboquant_and_float32_caches_keep_the_torch_path(gemm_isa, tiny_llama, monkeypatch):

@@ -1,0 +1,244 @@
+"""The CPU backend's linear methods: which GEMM serves how many rows, per weight format and CPU.
+
+Without AMX, measured on one core of the development machine (AVX512-BF16, no AMX), torch
+2.13, CPU time of one thread:
+- large batches (prefill chunks, big expert groups): oneDNN's bf16 GEMM runs at 71-77
+  GFLOP/s against ~125 for fp32, so batches of at least UPCAST_MIN_ROWS rows upcast to
+  fp32 for the multiply (1.3-1.75x faster at 128-1024 rows, same fp32 accumulation,
+  result returned in bf16);
+- small batches (decode) are bound by reading the weights, where bf16's half-size weights
+  win. `NativeBf16` packs a layer once for the native GEMM (kernels/gemm.c: bf16 weights
+  widened in registers, float32 FMAs), which beats oneDNN's packed bf16 kernel 1.5-2x at 1
+  row (it streams weights faster), 1.4-1.6x at 8-64 rows, and the fp32 upcast below
+  NATIVE_MAX_ROWS rows (measured crossover 256). Without it (no AVX-512, no compiler)
+  `OneDnnBf16` packs for oneDNN's own layout below UPCAST_MIN_ROWS, 1.2-1.8x faster than
+  `F.linear` on the plain weight at 1-16 rows. The plain weight stays for the upcast path.
+
+With AMX, the tile kernels of kernels/gemm.c read the same packed weights from AMX_MIN_ROWS
+rows on, at every larger size (`GemmPolicy` is the whole policy; the measurements are at
+AMX_MIN_ROWS). Large bf16 batches of shapes they cannot tile go to oneDNN, which uses AMX
+itself, so nothing upcasts to fp32 there. int8 and int4 codes (layers/quantization.py) get
+packed copies for the same kernels; rows the policy gives no native kernel take PyTorch's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.backends.cpu import abi
+from slipstream.layers.linear import Linear, LinearMethod
+from slipstream.layers.quantization import Int4, Int8
+
+UPCAST_MIN_ROWS = 128
+NATIVE_MAX_ROWS = 256
+# From how many rows the AMX tile kernels beat the AVX-512 loops, per weight format, and the
+# multiple of K they tile. benchmarks/gemm.py on the AMX machine (1 thread, cold weights,
+# GFLOP/s AVX-512 / AMX) for SmolLM2's qkv, o, gate_up, down: bf16 at 4 rows 40/52, 37/32,
+# 40/49, 34/31 and at 8 rows 54/67, 53/62, 56/62, 48/63; int8 at 4 rows 53/75, 42/39, 59/73,
+# 47/39 and at 8 rows 81/135, 67/78, 79/78, 69/76; int4 at 8 rows 83/68, 61/60, 78/69, 63/56
+# and at 16 rows 91/147, 80/105, 97/122, 78/120. One row streams weights equally fast either way.
+AMX_MIN_ROWS = {"bf16": 8, "int8": 8, "int4": 16}
+AMX_K_MULTIPLE = {"bf16": 32, "int8": 64, "int4": 32}
+
+
+class GemmPolicy:
+    """Which kernel of kernels/gemm.c multiplies how many rows, on a CPU with or without usable AMX tiles."""
+
+    def __init__(self, amx: bool):
+        self.amx = amx
+
+    def kernel(self, fmt: str, rows: int, k: int) -> str | None:
+        """For `rows` rows times a packed `fmt` weight ("bf16", "int8", "int4") of K input
+        features: "amx", "avx512", or None when a torch path is faster."""
+        if self.amx_serves(fmt, rows) and k % AMX_K_MULTIPLE[fmt] == 0:
+            return "amx"
+        return "avx512" if rows < (NATIVE_MAX_ROWS if fmt == "bf16" else UPCAST_MIN_ROWS) else None
+
+    def amx_serves(self, fmt: str, rows: int) -> bool:
+        """Whether the AMX kernels take `rows` rows of `fmt` weights whose K they can tile."""
+        return self.amx and rows >= AMX_MIN_ROWS[fmt]
+
+    def decode_stack_max_tokens(self) -> int | None:
+        """Decode batches from this many tokens leave the fused stack: without AMX the AVX-512
+        GEMMs lose to the fp32 upcast there; the AMX kernels serve every size (None)."""
+        return None if self.amx else UPCAST_MIN_ROWS
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcast: bool) -> torch.Tensor:
+    """F.linear, in float32 for large bf16 batches where `upcast` (CPUs without AMX)."""
+    if upcast and x.dtype == torch.bfloat16 and x.shape[0] >= UPCAST_MIN_ROWS:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+class OneDnnBf16(LinearMethod):
+    """bf16 weights without the native GEMM: oneDNN's packed layout for small batches."""
+
+    name = "onednn-bf16"
+
+    def __init__(self, upcast: bool):
+        self.upcast = upcast
+
+    def create(self, layer: Linear) -> None:
+        layer.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None))
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < UPCAST_MIN_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+        return dense_linear(x, layer.weight, layer.bias, self.upcast)
+
+
+class Upcast(LinearMethod):
+    """bf16 weights where oneDNN is absent: F.linear, in float32 for large batches without AMX."""
+
+    name = "dense"
+
+    def __init__(self, upcast: bool):
+        self.upcast = upcast
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, layer.weight, layer.bias, self.upcast)
+
+
+class NativeBf16(LinearMethod):
+    """bf16 weights packed for kernels/gemm.c; the plain weight stays for the rows it does not serve."""
+
+    name = "native-bf16"
+
+    def __init__(self, policy: GemmPolicy, upcast: bool):
+        self.policy, self.upcast = policy, upcast
+
+    def create(self, layer: Linear) -> None:
+        layer.register_buffer("packed", pack_columns(layer.weight.detach()))
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.policy.kernel("bf16", x.shape[0], layer.in_features) if x.dtype == torch.bfloat16 else None
+        if kernel is None:
+            return dense_linear(x, layer.weight, layer.bias, self.upcast)
+        out = native_matmul(x, layer.packed, kernel=kernel)
+        return out if layer.bias is None else out.add_(layer.bias)
+
+    def fused_silu(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        if (layer.bias is None and layer.out_features % 32 == 0 and x.dtype == torch.bfloat16
+                and self.policy.kernel("bf16", x.shape[0], layer.in_features) == "amx"):
+            return native_matmul(x, layer.packed, kernel="amx", silu=True)
+        return None
+
+    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
+        return abi.Weight(lib.weight_kind_bf16, layer.packed.data_ptr(), None, None, layer.out_features)
+
+
+class _NativeCodes:
+    """Mixed into a format's torch method: its codes also packed for kernels/gemm.c."""
+
+    policy: GemmPolicy
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        kernel = self._kernel(layer, x)
+        if kernel is None:
+            return super().apply(layer, x)
+        out = self.native_mm(layer, x, kernel)
+        return out if layer.bias is None else out + layer.bias
+
+    def fused_silu(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        if self._kernel(layer, x) != "amx" or layer.bias is not None or layer.packed.shape[0] % 2:
+            return None
+        return self.native_mm(layer, x, "amx", silu=True)
+
+    def _kernel(self, layer: Linear, x: torch.Tensor) -> str | None:
+        return self.policy.kernel(self.name, x.shape[0], layer.in_features) if x.dtype == torch.bfloat16 else None
+
+
+class NativeInt8(_NativeCodes, Int8):
+    """int8 codes multiplied in integer arithmetic against 16-bit fixed-point activations; the
+    codes are a second, packed copy."""
+
+    def __init__(self, policy: GemmPolicy):
+        self.policy = policy
+
+    def create(self, layer: Linear) -> None:
+        super().create(layer)
+        layer.register_buffer("packed", pack_quads(layer.qweight))
+        layer.register_buffer("scale_f32", layer.scale.float())
+
+    def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
+        return native_matmul(x, layer.packed, layer.scale_f32, kernel=kernel, silu=silu)
+
+    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
+        return abi.Weight(lib.weight_kind_int8, layer.packed.data_ptr(), layer.scale_f32.data_ptr(), None,
+                          layer.out_features)
+
+
+class NativeInt4(_NativeCodes, Int4):
+    def __init__(self, policy: GemmPolicy):
+        self.policy = policy
+
+    def create(self, layer: Linear) -> None:
+        super().create(layer)
+        for name, value in zip(("packed", "packed_scale", "packed_low"), self._pack(layer)):
+            layer.register_buffer(name, value)
+
+    def _pack(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For kernels/gemm.c: codes as [N/16, K/8, 16, 4] bytes, eight K steps per column's
+        dword with nibbles in the order 0 2 4 6 1 3 5 7; scale and low (the group's minimum)
+        [N/16, groups, 16] float32 from the kernel's own rounded values."""
+        q = self.codes(layer)
+        n, k = q.shape
+        steps = q.view(n // 16, 16, k // 8, 8)[..., [0, 2, 4, 6, 1, 3, 5, 7]]
+        packed = (steps[..., 0::2] | (steps[..., 1::2] << 4)).transpose(1, 2).contiguous()
+        scale, zero = layer.scales_and_zeros.float().unbind(-1)  # [groups, N]
+        by_block = lambda t: t.view(t.shape[0], n // 16, 16).transpose(0, 1).contiguous()  # noqa: E731
+        return packed, by_block(scale), by_block(zero - 8 * scale)
+
+    def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
+        return native_matmul(x, layer.packed, layer.packed_scale, layer.packed_low, kernel=kernel, silu=silu)
+
+    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
+        return abi.Weight(lib.weight_kind_int4, layer.packed.data_ptr(), layer.packed_scale.data_ptr(),
+                          layer.packed_low.data_ptr(), layer.out_features)
+
+
+def native_fits(layer: Linear, fmt: str | None) -> bool:
+    """Whether kernels/gemm.c can tile `layer` in format `fmt` (None: bf16 as loaded): a bf16
+    CPU weight, N a multiple of 16, K of 2 (int8: of 4, for its quads)."""
+    n, k = layer.out_features, layer.in_features
+    return (layer.weight.dtype == torch.bfloat16 and layer.weight.device.type == "cpu" and n % 16 == 0
+            and k % (4 if fmt == "int8" else 2) == 0)
+
+
+def pack_columns(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/2, 16, 2]: each pair of K steps of 16 output columns contiguous (gemm.c)."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def pack_quads(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> [N/16, K/4, 16, 4]: quads of K steps of 16 output columns, each in the order
+    k0 k2 k1 k3 (kernels/gemm.c)."""
+    n, k = codes.shape
+    return codes.view(n // 16, 16, k // 4, 4)[..., [0, 2, 1, 3]].transpose(1, 2).contiguous()
+
+
+def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
+                  low: torch.Tensor | None = None, kernel: str = "avx512", silu: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512" or
+    "amx", see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8 codes with a float32
+    `scale` per output column (`pack_quads`), or 4-bit codes with `scale` and `low` per group
+    and column (`NativeInt4._pack`). With `silu` (AMX only) the weight is a fused [gate; up]
+    projection and the result silu(gate) * up, [M, N/2]."""
+    x = x.contiguous()
+    blocks, k = packed.shape[0], x.shape[1]
+    out = x.new_empty(x.shape[0], blocks * (8 if silu else 16))
+    lib = abi.kernels()
+    args = (out.data_ptr(), x.shape[0], blocks * 16, k, abi.threads())
+    suffix = ("_amx" if kernel == "amx" else "") + ("_silu" if silu else "")
+    if packed.dtype == torch.bfloat16:
+        status = getattr(lib, "gemm_bf16" + suffix)(x.data_ptr(), packed.data_ptr(), *args)
+    elif low is None:
+        status = getattr(lib, "gemm_int8" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
+    else:
+        status = getattr(lib, "gemm_int4" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), low.data_ptr(),
+                                                    *args)
+    if status != 0:  # shapes were checked when packing; what is left is a failed allocation
+        raise MemoryError(f"native GEMM could not allocate its copy of the {x.shape[0]}x{k} input")
+    return out

@@ -1,0 +1,76 @@
+"""Which backend and which paths a machine gets: the choice follows from the capability alone,
+so every CPU kind is tested here by forcing one (flags, and a build that reports which of
+its kernels have a path), whatever this machine is."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from slipstream.backends.cpu.backend import CpuBackend
+from slipstream.backends.cpu.capability import CpuCapability, cpu_flags
+from slipstream.backends.cuda.backend import CudaBackend
+from slipstream.backends.reference import ReferenceBackend
+from slipstream.backends.select import select_backend
+
+AMX_FLAGS = {"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma"}
+AVX512_FLAGS = AMX_FLAGS - {"amx_bf16", "amx_int8", "amx_tile"}
+
+
+def build(isa: str, gemm: bool, amx: bool):
+    """A kernel build as far as the policy asks it: whether gemm.c / moe_expert.c have a path, with tiles or not."""
+    answer = lambda value: (lambda: int(value))  # noqa: E731
+    return SimpleNamespace(isa=isa, gemm_bf16_available=answer(gemm), moe_expert_available=answer(gemm),
+                           gemm_amx_available=answer(amx), moe_expert_amx_available=answer(amx))
+
+
+CASES = {  # capability -> (backend name, what its linear, MoE and decode-stack lines must say)
+    "amx": (CpuCapability(AMX_FLAGS, build("native", True, True), "native"),
+            "cpu-amx", ["AMX tiles", "AMX tiles for every group", "every all-decode step"]),
+    "avx512": (CpuCapability(AVX512_FLAGS, build("native", True, False), "native"),
+               "cpu-avx512", ["AVX-512 loops", "float32 FMAs", "below 128 tokens"]),
+    "avx2": (CpuCapability(AVX512_FLAGS, build("x86-64-v3", False, False), "x86-64-v3"),
+             "cpu-avx2", ["float32 GEMMs above", "torch, one expert", "none"]),
+    "torch-on-amx": (CpuCapability(AMX_FLAGS, None, "native", "SLIPSTREAM_NATIVE=0"),
+                     "cpu-torch", ["oneDNN bf16 (AMX) above", "torch, one expert", "none"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_each_cpu_kind_gets_its_paths_and_says_why(kind):
+    capability, name, expected = CASES[kind]
+    backend = CpuBackend(capability)
+    lines = backend.describe()
+    assert backend.name == name and lines[0].startswith(f"backend {name}: CPU flags:")
+    by_topic = {line.split(":")[0]: line for line in lines[2:]}
+    for topic, fragment in zip(["linear", "MoE experts", "decode stack"], expected):
+        assert fragment in by_topic[topic], (kind, by_topic[topic])
+    if capability.kernels is None:
+        assert "no native kernels: SLIPSTREAM_NATIVE=0" in lines[0]
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_the_decode_stack_exists_only_where_gemm_c_has_a_path(tiny_llama, kind):
+    from slipstream.engine.model_loader import load_model
+
+    capability = CASES[kind][0]
+    model = load_model(tiny_llama, torch.float32, ReferenceBackend(torch.device("cpu"))).model
+    assert (CpuBackend(capability).decode_stack(model) is not None) == bool(capability.kernels
+                                                                           and capability.kernels.gemm_bf16_available())
+
+
+def test_devices_select_their_backend():
+    cpu = select_backend(torch.device("cpu"))
+    assert isinstance(cpu, CpuBackend) and cpu.capability.flags == cpu_flags()
+    assert isinstance(select_backend(torch.device("cuda")), CudaBackend)  # chosen without touching a GPU
+    assert type(select_backend(torch.device("meta"))) is ReferenceBackend
+
+
+def test_info_prints_the_backend_of_this_machine():
+    out = subprocess.run([sys.executable, "-m", "slipstream.cli", "info"], capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    backend = CpuBackend(CpuCapability.detect())
+    assert backend.describe() == [line for line in lines if not line.startswith("torch ")]
