@@ -697,39 +697,6 @@ int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *
                        int64_t m, int64_t n, int64_t k, int threads) {
     return gemm_int4_tiles(x, w_packed, scale, low, y, m, n, k, threads, 1);
 }
-#else
-int gemm_amx_available(void) { return 0; }
-
-// built without AMX: gemm_amx_available() tells callers to keep the loops above
-int gemm_bf16_amx(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
-                  int threads) {
-    return -1;
-}
-
-int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
-                  int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-                  int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
-                       int threads) {
-    return -1;
-}
-
-int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
-                       int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-                       int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
 #endif
 #else
 int gemm_bf16_available(void) { return 0; }
@@ -749,9 +716,12 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
               int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
+#endif
 
+#ifndef HAVE_AMX
 int gemm_amx_available(void) { return 0; }
 
+// built without AMX (or without AVX-512): gemm_amx_available() tells callers to keep the other paths
 int gemm_bf16_amx(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
                   int threads) {
     return -1;

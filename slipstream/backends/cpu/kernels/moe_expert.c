@@ -343,15 +343,6 @@ int moe_expert_silu_amx(const uint16_t *x, const int64_t *tokens, const float *w
     free(xs);
     return failed ? -1 : 0;
 }
-#else
-int moe_expert_amx_available(void) { return 0; }
-
-// built without AMX: moe_expert_amx_available() tells callers to keep the loops above
-int moe_expert_silu_amx(const uint16_t *x, const int64_t *tokens, const float *weights, int64_t m,
-                        const uint16_t *gate_up, const uint16_t *down, float *out, int64_t h, int64_t inter,
-                        int threads) {
-    return -1;
-}
 #endif
 #else
 int moe_expert_available(void) { return 0; }
@@ -361,9 +352,12 @@ int moe_expert_silu(const uint16_t *x, const int64_t *tokens, const float *weigh
                     const uint16_t *down, float *out, int64_t h, int64_t inter, int threads) {
     return -1;
 }
+#endif
 
+#ifndef HAVE_AMX
 int moe_expert_amx_available(void) { return 0; }
 
+// built without AMX (or without AVX-512): moe_expert_amx_available() tells callers to keep the other paths
 int moe_expert_silu_amx(const uint16_t *x, const int64_t *tokens, const float *weights, int64_t m,
                         const uint16_t *gate_up, const uint16_t *down, float *out, int64_t h, int64_t inter,
                         int threads) {
