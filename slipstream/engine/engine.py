@@ -50,7 +50,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.backend = select_backend(self.device)
         loaded = load_model(config.model, self.dtype, self.backend, config.quantization)
-        self.model_config = loaded.config
+        self.model_path, self.model_config = loaded.path, loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_cache = self._allocate_kv_cache(loaded.model)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
