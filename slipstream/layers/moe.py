@@ -71,8 +71,6 @@ class ExpertsMethod:
     """How a backend runs the expert groups: here each expert once on its tokens, in the model
     dtype, the weighted outputs scatter-added back."""
 
-    name = "torch"
-
     def apply(self, experts: Experts, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         xs, start = x[groups.token], 0
         ys = torch.empty_like(xs)

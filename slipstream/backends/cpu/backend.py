@@ -72,7 +72,7 @@ class CpuBackend(ReferenceBackend):
                 "attention: " + ("native decode kernels on bf16 caches and TurboQuant codes, torch for prefill"
                                  if native else "torch"),
                 "linear: " + _linear_policy(cap),
-                "MoE experts: " + _experts_policy(cap),
+                "MoE experts: " + _experts_policy(self.experts),
                 "decode stack: " + _decode_stack_policy(cap)]
 
 
@@ -93,9 +93,9 @@ def _decode_stack_policy(cap: CpuCapability) -> str:
     return "decoder_layer.c for every all-decode step" + ("" if cap.amx_kernels else f" below {UPCAST_MIN_ROWS} tokens")
 
 
-def _experts_policy(cap: CpuCapability) -> str:
-    if cap.moe_expert and cap.amx_kernels:
+def _experts_policy(experts: CpuExperts) -> str:
+    if experts.kernel == "amx":
         return "moe_expert.c on AMX tiles for every group"
-    if cap.moe_expert:
+    if experts.kernel:
         return f"moe_expert.c (float32 FMAs) for groups from {NATIVE_MIN_TOKENS['avx512']} tokens, bf16 torch below"
-    return "torch, one expert at a time" + ("" if cap.amx else f", float32 from {UPCAST_MIN_TOKENS} tokens")
+    return "torch, one expert at a time" + (f", float32 from {UPCAST_MIN_TOKENS} tokens" if experts.upcast else "")

@@ -48,7 +48,6 @@ class CpuExperts(ExpertsMethod):
 
     def __init__(self, kernel: str | None, upcast: bool):
         self.kernel, self.upcast = kernel, upcast
-        self.name = f"moe_expert.c ({kernel})" if kernel else "torch" + (", float32 for large groups" if upcast else "")
 
     def apply(self, experts: Experts, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
