@@ -31,7 +31,7 @@ CASES = {  # capability -> (backend name, what its linear, MoE and decode-stack 
     "amx": (CpuCapability(AMX_FLAGS, build("native", True, True), "native"),
             "cpu-amx", ["AMX tiles", "AMX tiles for every group", "every all-decode step"]),
     "avx512": (CpuCapability(AVX512_FLAGS, build("native", True, False), "native"),
-               "cpu-avx512", ["AVX-512 loops", "float32 FMAs", "below 128 tokens"]),
+               "cpu-avx512", ["AVX-512 loops", "float32 FMAs", "every all-decode step"]),
     "avx2": (CpuCapability(AVX512_FLAGS, build("x86-64-v3", False, False), "x86-64-v3"),
              "cpu-avx2", ["float32 GEMMs above", "torch, one expert", "none"]),
     "torch-on-amx": (CpuCapability(AMX_FLAGS, None, "native", "SLIPSTREAM_NATIVE=0"),
@@ -48,6 +48,9 @@ def test_each_cpu_kind_gets_its_paths_and_says_why(kind):
     by_topic = {line.split(":")[0]: line for line in lines[2:]}
     for topic, fragment in zip(["linear", "MoE experts", "decode stack"], expected):
         assert fragment in by_topic[topic], (kind, by_topic[topic])
+    # invariance needs gemm.c's GEMMs and the attention kernel, and says so either way
+    assert backend.batch_invariant == (kind in ("amx", "avx512"))
+    assert by_topic["batch invariance"].startswith("batch invariance: " + ("bf16" if backend.batch_invariant else "none"))
     if capability.kernels is None:
         assert "no native kernels: SLIPSTREAM_NATIVE=0" in lines[0]
 

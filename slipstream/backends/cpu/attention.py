@@ -1,10 +1,14 @@
-"""Attention kernels of the CPU backend: decode queries over a bf16 cache (kernels/paged_attention.c)
-and over TurboQuant codes (kernels/turboquant_attention.c).
+"""Attention kernels of the CPU backend: every query over a bf16 cache (kernels/paged_attention.c),
+decode queries over TurboQuant codes (kernels/turboquant_attention.c).
 
-Each decode query reads its own blocks up to its own length, with no gather into a padded
-batch. They plug into the torch paths as their `decode_kernel` (attention/reference.py,
-attention/turboquant.py), which attend the prefill rows and any decode batch a kernel
-declines (returns None), and stay what the kernels are tested against.
+Each query reads its own blocks up to its own length, with no gather into a padded batch.
+On a bf16 cache a prefill chunk's queries go through the same kernel as decode queries, each
+as if it were the last token of its sequence: a token's attention output is then the same
+bits whether it was computed in a prefill chunk of any size, after a prefix-cache hit, after
+preemption, or as a decode token (batch invariance), where torch's SDPA blocks keys by the
+chunk's shape. The torch paths (attention/reference.py, attention/turboquant.py) serve what a
+kernel declines and stay what the kernels are tested against; the TurboQuant kernel plugs
+into its torch path as the `decode_kernel`.
 """
 from __future__ import annotations
 
@@ -12,24 +16,55 @@ import ctypes
 
 import torch
 
+from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata
 from slipstream.backends.cpu import abi
 from slipstream.kvcache.turboquant import TurboQuantizer
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 
-def dense_decode(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,
-                 window: int | None) -> torch.Tensor | None:
-    """Attention of decode queries q [B, Hq, D] over a bf16 cache; None where the kernel declines."""
-    if q.dtype != torch.bfloat16 or cache.k.dtype != torch.bfloat16:
-        return None
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """attention/reference.py's `paged_attention` for a bf16 cache: the step's K/V written, then
+    every query q [T, Hq, D] -> [T, Hq, D] in one call of the kernel (the torch path where the
+    shapes are beyond it)."""
+    lib = abi.kernels()
+    kv_heads, _, block_size, dim = cache.k.shape
+    if (lib is None or q.dtype != torch.bfloat16 or cache.k.dtype != torch.bfloat16
+            or q.shape[1] // kv_heads > lib.paged_attention_max_group or dim > lib.paged_attention_max_head_dim
+            or block_size > lib.paged_attention_max_block):
+        return reference.paged_attention(q, k, v, cache, meta, scale, sliding_window)
+    cache.write(k, v, meta.slot_mapping)
+    return attend(q, cache, meta, scale, sliding_window)
+
+
+def attend(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    """Each query of q [T, Hq, D] over its own context in a bf16 cache that holds the step's K/V,
+    as the last token of that context: [T, Hq, D]. The caller checked the shapes."""
     q = q.contiguous()
     out = torch.empty_like(q)
     kv_heads, num_blocks, block_size, dim = cache.k.shape
     layer = abi.PagedAttention(cache.k.data_ptr(), cache.v.data_ptr(), num_blocks, window or 0, block_size,
                                q.shape[1], kv_heads, dim, scale)
-    batch = decode_batch(q.shape[0], meta.decode_block_tables, meta.decode_context_lens)
-    return out if abi.kernels().paged_decode_attention(layer, batch, q.data_ptr(), out.data_ptr()) == 0 else None
+    tables, lens = query_tables(meta)
+    if abi.kernels().paged_decode_attention(layer, decode_batch(q.shape[0], tables, lens), q.data_ptr(),
+                                            out.data_ptr()):
+        raise ValueError(f"paged attention declined {q.shape[1]} heads over {kv_heads}, head size {dim}")
+    return out
+
+
+def query_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token's block table [T, W] and context length [T] (its position + 1), once per step."""
+    key = "per-query tables"
+    if key not in meta.step_cache:
+        starts = meta.query_start
+        query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])])
+        first = torch.tensor(meta.context_lens) - query_lens  # tokens before each row's first query
+        offsets = torch.arange(starts[-1]) - torch.tensor(starts[:-1]).repeat_interleave(query_lens)
+        lens = first.repeat_interleave(query_lens) + offsets + 1
+        tables = meta.block_table.repeat_interleave(query_lens.to(meta.block_table.device), dim=0)
+        meta.step_cache[key] = (tables.contiguous(), lens.to(torch.int64).contiguous())
+    return meta.step_cache[key]
 
 
 def decode_batch(batch: int, tables: torch.Tensor, lens: torch.Tensor) -> abi.DecodeBatch:

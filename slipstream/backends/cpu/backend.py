@@ -14,13 +14,13 @@ import functools
 import torch
 from torch import nn
 
-from slipstream.attention import reference, turboquant
+from slipstream.attention import turboquant
 from slipstream.backends.base import AttentionImpl
-from slipstream.backends.cpu.attention import dense_decode, turboquant_decode
+from slipstream.backends.cpu.attention import dense_attention, turboquant_decode
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
-from slipstream.backends.cpu.linear import (AMX_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy, NativeBf16,
-                                            NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
+from slipstream.backends.cpu.linear import (AMX_MIN_ROWS, UPCAST_MIN_ROWS, GemmPolicy, NativeBf16, NativeInt4,
+                                            NativeInt8, OneDnnBf16, Upcast, native_fits)
 from slipstream.backends.cpu.moe import NATIVE_MIN_TOKENS, UPCAST_MIN_TOKENS, CpuExperts
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
@@ -35,7 +35,7 @@ class CpuBackend(ReferenceBackend):
         self.capability = capability
         self.policy = GemmPolicy(amx=capability.amx_kernels)
         upcast = not capability.amx  # without AMX, float32 GEMMs beat oneDNN's bf16 on large batches
-        self.native = {None: NativeBf16(self.policy, upcast), "int8": NativeInt8(self.policy),
+        self.native = {None: NativeBf16(self.policy), "int8": NativeInt8(self.policy),
                        "int4": NativeInt4(self.policy)}
         self.bf16 = OneDnnBf16(upcast) if torch.backends.mkldnn.is_available() else Upcast(upcast)
         expert_kernel = ("amx" if capability.amx_kernels else "avx512") if capability.moe_expert else None
@@ -50,7 +50,7 @@ class CpuBackend(ReferenceBackend):
             if isinstance(cache, TurboQuantLayerCache):
                 return functools.partial(turboquant.paged_attention, decode_kernel=turboquant_decode)
             if isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16:
-                return functools.partial(reference.paged_attention, decode_kernel=dense_decode)
+                return dense_attention
         return super().attention(cache)
 
     def linear_method(self, layer: Linear, fmt: str | None) -> LinearMethod:
@@ -66,14 +66,21 @@ class CpuBackend(ReferenceBackend):
     def decode_stack(self, model: nn.Module) -> DecodeStack | None:
         return DecodeStack(model.model.layers, self.policy) if self.capability.gemm else None
 
+    @property
+    def batch_invariant(self) -> bool:
+        return self.capability.gemm  # gemm.c's GEMMs and paged_attention.c for every token
+
     def describe(self) -> list[str]:
         cap, native = self.capability, self.capability.kernels is not None
         return [f"backend {self.name}: {cap.summary()}",
-                "attention: " + ("native decode kernels on bf16 caches and TurboQuant codes, torch for prefill"
-                                 if native else "torch"),
+                "attention: " + ("paged_attention.c for every query on bf16 caches; TurboQuant codes: native "
+                                 "decode, torch prefill" if native else "torch"),
                 "linear: " + _linear_policy(cap),
                 "MoE experts: " + _experts_policy(self.experts),
-                "decode stack: " + _decode_stack_policy(cap)]
+                "decode stack: " + _decode_stack_policy(cap),
+                "batch invariance: " + ("bf16, int8 and int4 weights on bf16 KV caches (not MoE experts, not "
+                                        "TurboQuant caches)" if self.batch_invariant else
+                                        "none (PyTorch's GEMMs and SDPA block their sums by shape)")]
 
 
 def _linear_policy(cap: CpuCapability) -> str:
@@ -81,8 +88,7 @@ def _linear_policy(cap: CpuCapability) -> str:
         rows = ", ".join(f"{fmt} from {n}" for fmt, n in AMX_MIN_ROWS.items())
         return f"packed weights on AMX tiles ({rows} rows), AVX-512 loops below (kernels/gemm.c)"
     if cap.gemm:
-        return (f"packed weights on AVX-512 loops (kernels/gemm.c) below {NATIVE_MAX_ROWS} rows in bf16, "
-                f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")
+        return "packed weights on AVX-512 loops (kernels/gemm.c) for every row count"
     upcast = "oneDNN bf16 (AMX) above" if cap.amx else "float32 GEMMs above"
     return f"oneDNN packed bf16 weights below {UPCAST_MIN_ROWS} rows, {upcast}; int8/int4 on PyTorch's kernels"
 
@@ -90,7 +96,7 @@ def _linear_policy(cap: CpuCapability) -> str:
 def _decode_stack_policy(cap: CpuCapability) -> str:
     if not cap.gemm:
         return "none (the per-layer torch path)"
-    return "decoder_layer.c for every all-decode step" + ("" if cap.amx_kernels else f" below {UPCAST_MIN_ROWS} tokens")
+    return "decoder_layer.c for every all-decode step"
 
 
 def _experts_policy(experts: CpuExperts) -> str:
