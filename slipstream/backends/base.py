@@ -49,7 +49,7 @@ class Backend:
 
     @property
     def batch_invariant(self) -> bool:
-        """Whether a bf16 (or int4) dense model's outputs on a bf16 KV cache are the same bits
+        """Whether a bf16 (int8, int4) dense model's outputs on a bf16 KV cache are the same bits
         whatever else shares the step, however a prompt is chunked, cached or recomputed: one
         kernel and one reduction order per token. Library GEMMs and SDPA block by shape: no."""
         return False

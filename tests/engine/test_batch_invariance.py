@@ -1,4 +1,4 @@
-"""bf16 and int4 greedy outputs (int8: open, marked), tokens and logprobs bit for bit, do not depend on what else
+"""bf16, int8 and int4 greedy outputs, tokens and logprobs bit for bit, do not depend on what else
 is in the batch, on the prefill chunk size, on prefix-cache hits or on preemption: each request
 equals itself run alone. Held where the backend says it is batch-invariant (tests ask it)."""
 from __future__ import annotations
@@ -10,10 +10,7 @@ from tests.conftest import random_prompts
 
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 2 * 16  # K+V, 2 layers, 2 KV heads, dim 16, bf16, 16 tokens
-# int8: its GEMMs are row-invariant (tests/kernels/test_gemm.py), yet 7 of these 8 differ end to end
-# on an AMX machine, even with one GEMM kernel forced and no decode stack: cause not found yet
-INT8_OPEN = pytest.mark.xfail(reason="int8 end-to-end batch invariance is open (cause not found)", strict=False)
-FORMATS = [None, pytest.param("int8", marks=[pytest.mark.slow, INT8_OPEN]), pytest.param("int4", marks=pytest.mark.slow)]
+FORMATS = [None, pytest.param("int8", marks=pytest.mark.slow), pytest.param("int4", marks=pytest.mark.slow)]
 
 
 def _outputs(outputs) -> list[tuple]:

@@ -78,8 +78,8 @@ class CpuBackend(ReferenceBackend):
                 "linear: " + _linear_policy(cap),
                 "MoE experts: " + _experts_policy(self.experts),
                 "decode stack: " + _decode_stack_policy(cap),
-                "batch invariance: " + ("bf16 and int4 weights on bf16 KV caches (not int8 yet, not MoE "
-                                        "experts, not TurboQuant caches)" if self.batch_invariant else
+                "batch invariance: " + ("bf16, int8 and int4 weights on bf16 KV caches (not MoE experts, not "
+                                        "TurboQuant caches)" if self.batch_invariant else
                                         "none (PyTorch's GEMMs and SDPA block their sums by shape)")]
 
 

@@ -221,7 +221,7 @@ static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, c
     for (int j = 0; j < nr; j++) {
         __m512 s = _mm512_loadu_ps(scale + 16 * j);
         for (int i = 0; i < mr; i++)
-            store_bf16(y + i * n + 16 * j, _mm512_mul_ps(total[i][j], _mm512_mul_ps(s, _mm512_set1_ps(row_scale[i]))));
+            store_bf16(y + i * n + 16 * j, _mm512_mul_ps(total[i][j], opaque(_mm512_mul_ps(s, _mm512_set1_ps(row_scale[i])))));
     }
 }
 
@@ -544,9 +544,9 @@ static void amx_int8_block(const int8_t *hi, const uint8_t *lo, const float *row
     Epilogue scaled = {NULL, e->silu};  // the scales are applied here
     for (int r = 0; r < rows; r++) {
         __m512 first = _mm512_mul_ps(_mm512_load_ps(totals[0] + 16 * r),
-                                     _mm512_mul_ps(_mm512_loadu_ps(scale0), _mm512_set1_ps(row_scale[r])));
+                                     opaque(_mm512_mul_ps(_mm512_loadu_ps(scale0), _mm512_set1_ps(row_scale[r]))));
         __m512 second = cols == 2 ? _mm512_mul_ps(_mm512_load_ps(totals[1] + 16 * r),
-                                                  _mm512_mul_ps(_mm512_loadu_ps(scale1), _mm512_set1_ps(row_scale[r])))
+                                                  opaque(_mm512_mul_ps(_mm512_loadu_ps(scale1), _mm512_set1_ps(row_scale[r]))))
                                   : _mm512_setzero_ps();
         store_row(y + r * n, first, second, cols, &scaled);
     }

@@ -26,6 +26,14 @@ static inline __m512 silu_times(__m512 gate, __m512 up) {
     return _mm512_mul_ps(_mm512_mul_ps(gate, sig), up);
 }
 
+// v as a value the compiler cannot see into: the kernels build with -fassociative-math, which
+// lets it regroup a * (b * c) as (a * b) * c in one function and not in another; where two
+// kernels must give the same bits (batch invariance), their last products go through this.
+static inline __m512 opaque(__m512 v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
 // float32 -> the nearest bf16 (ties to even), kept as float32: a bf16 store and reload.
 static inline __m512 round_bf16(__m512 v) {
     __m512i bits = _mm512_castps_si512(v);
