@@ -17,6 +17,12 @@ from slipstream.models.config import ModelConfig
 from slipstream.models.weights import load_stacked_weights
 
 
+def scaled_embedding(embedding: nn.Embedding, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gemma's embeddings times `scale`, which the reference rounds to the weight dtype first
+    (sqrt(640) becomes 25.25 in bf16)."""
+    return embedding(ids) * torch.tensor(scale, dtype=embedding.weight.dtype, device=embedding.weight.device)
+
+
 class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, model: nn.Module):
         super().__init__()
@@ -30,7 +36,9 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_stacked_weights(self, weights)

@@ -34,11 +34,11 @@ from slipstream.layers.mlp import GatedMLP, activation
 from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats
 from slipstream.layers.norm import RMSNorm, rms_norm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.models.causal_lm import CausalLM
+from slipstream.models.causal_lm import CausalLM, scaled_embedding
 from slipstream.models.config import ModelConfig, UnsupportedModelError
+from slipstream.models.gemma3 import FULL, SLIDING
 from slipstream.models.weights import load_stacked_weights, rename_weights
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 _DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
     FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
@@ -63,7 +63,6 @@ class Gemma4Config(ModelConfig):
     moe_intermediate_size: int = 0
     hidden_size_per_layer_input: int = 0
     vocab_size_per_layer_input: int = 0
-    final_logit_softcapping: float | None = None
 
     def shares_kv(self, layer: int) -> bool:
         """Whether `layer` attends over the K/V of the last earlier layer of its type, not its own."""
@@ -180,7 +179,7 @@ class Gemma4Model(nn.Module):
             self.per_layer_projection_norm = RMSNorm(ple, config.rms_norm_eps, cast_last=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = _scaled_embedding(self.embed_tokens, input_ids, self.config.hidden_size ** 0.5)
+        x = scaled_embedding(self.embed_tokens, input_ids, self.config.hidden_size ** 0.5)
         per_layer = self._per_layer_inputs(input_ids, x) if self.config.hidden_size_per_layer_input else None
         shared_kv: dict = {}
         for i, layer in enumerate(self.layers):
@@ -193,7 +192,7 @@ class Gemma4Model(nn.Module):
         shape = (-1, c.num_hidden_layers, c.hidden_size_per_layer_input)
         projected = self.per_layer_model_projection(x) * c.hidden_size ** -0.5
         projected = self.per_layer_projection_norm(projected.view(shape))
-        token = _scaled_embedding(self.embed_tokens_per_layer, input_ids, c.hidden_size_per_layer_input ** 0.5)
+        token = scaled_embedding(self.embed_tokens_per_layer, input_ids, c.hidden_size_per_layer_input ** 0.5)
         return (projected + token.view(shape)) * 2 ** -0.5
 
 
@@ -243,11 +242,6 @@ class Gemma4ForCausalLM(CausalLM):
 
     def __init__(self, config: Gemma4Config):
         super().__init__(config, Gemma4Model(config))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def routing_stats(self) -> dict[int, list[int]]:
         return routing_stats(self.model.layers)
@@ -312,7 +306,3 @@ def gemma_rotary(head_dim: int, max_position: int, params: dict) -> RotaryEmbedd
         rotary.sin.copy_(freqs.sin())
     return rotary
 
-
-def _scaled_embedding(embedding: nn.Embedding, ids: torch.Tensor, scale: float) -> torch.Tensor:
-    # transformers rounds the scale to the weight dtype first (sqrt(3072) becomes 55.5 in bf16)
-    return embedding(ids) * torch.tensor(scale, dtype=embedding.weight.dtype)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from slipstream.backends.cpu.backend import CpuBackend
-from slipstream.backends.cpu.capability import CpuCapability, cpu_flags
+from slipstream.backends.cpu.build import cpu_flags
+from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cuda.backend import CudaBackend
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.backends.select import select_backend

@@ -6,23 +6,12 @@ it a capability of another CPU and check what it would choose. Never decides a p
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 from slipstream.backends.cpu import abi, build
 
 # flags worth naming at start-up, the most capable first
 NOTABLE_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
 
 
 @dataclass(frozen=True)
@@ -35,19 +24,15 @@ class CpuCapability:
     @classmethod
     def detect(cls) -> CpuCapability:
         if not build.ENABLED:
-            return cls(cpu_flags(), None, build.ISA, "SLIPSTREAM_NATIVE=0")
+            return cls(build.cpu_flags(), None, build.ISA, "SLIPSTREAM_NATIVE=0")
         kernels = abi.kernels()
         reason = "" if kernels is not None else f"they did not build with {build.COMPILER!r} (see the warning above)"
-        return cls(cpu_flags(), kernels, build.ISA, reason)
+        return cls(build.cpu_flags(), kernels, build.ISA, reason)
 
     @property
     def amx(self) -> bool:
         """oneDNN's bf16 GEMMs run on AMX tiles (torch's own kernels, whatever ours are)."""
         return {"amx_bf16", "amx_tile"} <= self.flags
-
-    @property
-    def native_bf16(self) -> bool:
-        return "avx512_bf16" in self.flags or self.amx
 
     @property
     def gemm(self) -> bool:
