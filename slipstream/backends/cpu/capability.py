@@ -6,12 +6,21 @@ it a capability of another CPU and check what it would choose. Never decides a p
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from slipstream.backends.cpu import abi, build
 
 # flags worth naming at start-up, the most capable first
 NOTABLE_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma")
+
+
+def usable_flags(flags: frozenset[str], onednn_max_isa: str) -> frozenset[str]:
+    """The flags the engine may use: oneDNN's ONEDNN_MAX_CPU_ISA (its cpu_isa names) capped below
+    AMX takes the AMX flags away from our kernels too, so that one variable makes an AMX CPU run
+    as one without it."""
+    isa = onednn_max_isa.upper()
+    return flags if isa in ("", "DEFAULT", "ALL") or "AMX" in isa else frozenset(f for f in flags if not f.startswith("amx"))
 
 
 @dataclass(frozen=True)
@@ -23,11 +32,12 @@ class CpuCapability:
 
     @classmethod
     def detect(cls) -> CpuCapability:
+        flags = usable_flags(build.cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA", "DEFAULT"))
         if not build.ENABLED:
-            return cls(build.cpu_flags(), None, build.ISA, "SLIPSTREAM_NATIVE=0")
+            return cls(flags, None, build.ISA, "SLIPSTREAM_NATIVE=0")
         kernels = abi.kernels()
         reason = "" if kernels is not None else f"they did not build with {build.COMPILER!r} (see the warning above)"
-        return cls(build.cpu_flags(), kernels, build.ISA, reason)
+        return cls(flags, kernels, build.ISA, reason)
 
     @property
     def amx(self) -> bool:
@@ -42,7 +52,7 @@ class CpuCapability:
     @property
     def amx_kernels(self) -> bool:
         """kernels/gemm.c and moe_expert.c were built with AMX tiles and Linux lets this process use them."""
-        return self.kernels is not None and self.kernels.gemm_amx_available() == 1
+        return self.amx and self.kernels is not None and self.kernels.gemm_amx_available() == 1
 
     @property
     def moe_expert(self) -> bool:
