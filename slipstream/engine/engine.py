@@ -236,7 +236,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             # MoE models: tokens routed to each expert, per layer
-            **({"expert_load": self.runner.model.routing_stats()} if hasattr(self.runner.model, "routing_stats") else {}),
+            **({"expert_load": load} if (load := self.runner.model.routing_stats()) else {}),
         }
 
     def _maybe_log_stats(self) -> None:

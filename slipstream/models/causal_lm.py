@@ -13,6 +13,7 @@ from torch import nn
 
 from slipstream.layers.attention import Attention
 from slipstream.layers.linear import Linear
+from slipstream.layers.moe import reset_routing_stats, routing_stats
 from slipstream.models.config import ModelConfig
 from slipstream.models.weights import load_stacked_weights
 
@@ -48,6 +49,13 @@ class CausalLM(nn.Module):
         has such a path (the llama family's)."""
         if stack is not None and hasattr(self.model, "decode_stack"):
             self.model.decode_stack = stack
+
+    def routing_stats(self) -> dict[int, list[int]]:
+        """Tokens each expert has received so far, per MoE layer (the engine's `expert_load`); {} when dense."""
+        return routing_stats(self.model.layers)
+
+    def reset_routing_stats(self) -> None:
+        reset_routing_stats(self.model.layers)
 
     def attention_layers(self) -> list[Attention]:
         """The attention layers that own a KV cache, in layer order (Gemma 4's KV-sharing

@@ -31,7 +31,7 @@ from torch import nn
 from slipstream.layers.attention import Attention
 from slipstream.layers.linear import Linear
 from slipstream.layers.mlp import GatedMLP, activation
-from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats
+from slipstream.layers.moe import SparseMoeBlock
 from slipstream.layers.norm import RMSNorm, rms_norm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.models.causal_lm import CausalLM, scaled_embedding
@@ -242,12 +242,6 @@ class Gemma4ForCausalLM(CausalLM):
 
     def __init__(self, config: Gemma4Config):
         super().__init__(config, Gemma4Model(config))
-
-    def routing_stats(self) -> dict[int, list[int]]:
-        return routing_stats(self.model.layers)
-
-    def reset_routing_stats(self) -> None:
-        reset_routing_stats(self.model.layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_stacked_weights(self, rename_weights(_text_weights(weights, self.config), _RENAMES))
