@@ -35,7 +35,7 @@ from slipstream.layers.moe import SparseMoeBlock
 from slipstream.layers.norm import RMSNorm, rms_norm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.models.causal_lm import CausalLM, scaled_embedding
-from slipstream.models.config import ModelConfig, UnsupportedModelError
+from slipstream.models.config import ModelConfig, UnsupportedModelError, common_fields
 from slipstream.models.gemma3 import FULL, SLIDING
 from slipstream.models.weights import load_stacked_weights, rename_weights
 
@@ -208,22 +208,18 @@ class Gemma4ForCausalLM(CausalLM):
         head_dims, kv_heads = _per_layer_shapes(cfg, layer_types)
         rope = {**_DEFAULT_ROPE, **(cfg.get("rope_parameters") or {})}
         moe = cfg.get("enable_moe_block", False)
-        return Gemma4Config(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=num_layers,
-            num_attention_heads=cfg["num_attention_heads"],
+        fields = common_fields(arch, cfg) | dict(
             num_key_value_heads=cfg.get("num_key_value_heads", 4),
             head_dim=cfg.get("head_dim", 256),
             max_position_embeddings=cfg.get("max_position_embeddings", 131_072),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            hidden_act=cfg.get("hidden_activation", "gelu_pytorch_tanh"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+        return Gemma4Config(
+            **fields,
             attention_bias=cfg.get("attention_bias", False),
             sliding_window=cfg.get("sliding_window", 512),
-            hidden_act=cfg.get("hidden_activation", "gelu_pytorch_tanh"),
-            bos_token_id=cfg.get("bos_token_id"),
             layer_types=layer_types,
             layer_head_dims=head_dims,
             layer_kv_heads=kv_heads,
@@ -237,7 +233,6 @@ class Gemma4ForCausalLM(CausalLM):
             moe_intermediate_size=cfg["moe_intermediate_size"] if moe else 0,
             hidden_size_per_layer_input=cfg.get("hidden_size_per_layer_input", 256),
             vocab_size_per_layer_input=cfg.get("vocab_size_per_layer_input", 262_144),
-            final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
 
     def __init__(self, config: Gemma4Config):
