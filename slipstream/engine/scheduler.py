@@ -49,6 +49,7 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        proposals = self.speculator.propose(decodes) if self.speculator else {}
         for seq in decodes + prefills:
             budget = self._budget_left(scheduled)
             if budget == 0:
@@ -56,18 +57,15 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed_tokens, budget)
-            drafts[seq] = self._propose(seq, budget - n, len(decodes)) if seq.num_uncomputed_tokens == 1 else []
+            drafts[seq] = self._lookahead(seq, proposals.get(seq, [])[:budget - n])
             if self._make_room(seq, n + len(drafts[seq]), scheduled):
                 scheduled[seq] = n + len(drafts[seq])
         if self.num_preemptions == preemptions_before:  # no memory to spare after a preemption
             self._admit_waiting(scheduled, self._budget_left(scheduled))
         return self._output(scheduled, drafts)
 
-    def _propose(self, seq: Sequence, budget: int, num_decodes: int) -> list[int]:
-        """Draft tokens for a decoding sequence, where their lookahead slots fit (they never preempt)."""
-        if self.speculator is None or budget == 0:
-            return []
-        drafts = self.speculator.drafts(seq, budget, num_decodes)
+    def _lookahead(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        """The drafts whose lookahead slots fit (drafts never preempt anyone)."""
         return drafts if drafts and self.block_manager.append_slots(seq, 1 + len(drafts)) else []
 
     def _output(self, scheduled: dict[Sequence, int], drafts: dict[Sequence, list[int]]) -> SchedulerOutput:

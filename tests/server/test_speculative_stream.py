@@ -10,6 +10,7 @@ from slipstream.engine.engine import LLMEngine
 from slipstream.server.app import build_app
 from slipstream.speculative import speculator
 from tests.server.conftest import metric
+from tests.speculative.test_speculative_engine import FREE
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
 BODY = {"prompt": [5, 6, 7, 5, 6, 7, 5, 6, 7, 5], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
@@ -27,7 +28,7 @@ def _tokens(lines: list[str]) -> list[dict]:
 
 
 def test_streamed_output_equals_the_non_speculative_stream(tiny_chat_model, monkeypatch):
-    monkeypatch.setattr(speculator, "MIN_ACCEPTANCE", 0.0)
+    monkeypatch.setattr(speculator, "VERIFY_COST", FREE)
     engines = [LLMEngine(EngineConfig.from_kwargs(model=tiny_chat_model, dtype="float32", speculative_config=spec))
                for spec in (None, NGRAM)]
     with TestClient(build_app(engines[0], "plain")) as plain, TestClient(build_app(engines[1], "spec")) as spec:

@@ -16,6 +16,7 @@ import torch
 from slipstream import LLM, SamplingParams
 from slipstream.layers import rejection_sampler
 from slipstream.speculative import speculator
+from tests.speculative.test_speculative_engine import FREE
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
 PROMPT = [5, 6, 7, 8, 6, 5, 8, 7, 5]
@@ -49,8 +50,7 @@ def plain(tiny_llama):
 @pytest.mark.slow
 @pytest.mark.parametrize("residual", ["exact", "target-as-residual"])
 def test_speculative_samples_follow_the_target_distribution(tiny_llama, plain, residual, monkeypatch):
-    monkeypatch.setattr(speculator, "MIN_ACCEPTANCE", 0.0)
-    monkeypatch.setattr(speculator, "MAX_BATCH", DRAWS)
+    monkeypatch.setattr(speculator, "VERIFY_COST", FREE)
     if residual == "target-as-residual":
         monkeypatch.setattr(rejection_sampler, "residual", lambda probs, drafts: probs)
     llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=2**22, max_num_seqs=256, speculative_config=NGRAM)
@@ -65,7 +65,7 @@ def test_speculative_samples_follow_the_target_distribution(tiny_llama, plain, r
 
 
 def test_seeded_speculative_samples_are_reproducible(tiny_llama, monkeypatch):
-    monkeypatch.setattr(speculator, "MIN_ACCEPTANCE", 0.0)
+    monkeypatch.setattr(speculator, "VERIFY_COST", FREE)
     llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=2**22, max_num_seqs=256, speculative_config=NGRAM)
     params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=3)
     first = llm.generate([PROMPT, PROMPT[:5]], params, use_tqdm=False)
