@@ -13,7 +13,7 @@ by other processes on a shared machine), their ratios, and the acceptance.
 
 --measure-cost instead measures the Speculator's VERIFY_COST: process CPU time per step with
 drafts that are always rejected (one token per step, like a plain decode) over a plain decode
-step, at 1 to 16 decoding rows.
+step, at 1 to 16 decoding rows of --cost-context prompt tokens each.
 """
 from __future__ import annotations
 
@@ -63,13 +63,13 @@ class Rejected:
         return [0] * k
 
 
-def measure_cost(engines: dict[str, LLM], repeats: int) -> None:
+def measure_cost(engines: dict[str, LLM], repeats: int, context: int) -> None:
     from slipstream.speculative import speculator
     speculator.VERIFY_COST = ((1, 0.0), (10**6, 0.0))  # speculate at every step, at any batch
     engines["ngram"].engine.speculator.proposer = Rejected()
     params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
     for batch in (1, 2, 4, 8, 16):
-        prompts = [[100 + i + 7 * b for i in range(32)] for b in range(batch)]
+        prompts = [[100 + (i * 31 + 7 * b) % 40000 for i in range(context)] for b in range(batch)]
         ratios = []
         for _ in range(repeats):
             cpu = {}
@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--measure-cost", action="store_true")
+    parser.add_argument("--cost-context", type=int, default=256, help="prompt tokens of each row (--measure-cost)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,7 +103,7 @@ def main() -> None:
                "ngram": LLM(args.model, kv_cache_memory=64 * 2**20, speculative_config=spec)}
     print(f"{args.model}, {torch.get_num_threads()} threads, greedy, max_tokens {args.max_tokens}, {spec}")
     if args.measure_cost:
-        return measure_cost(engines, args.repeats)
+        return measure_cost(engines, args.repeats, args.cost_context)
     print("| workload | batch | plain tok/s (wall / CPU) | ngram tok/s (wall / CPU) | ratio wall | ratio CPU "
           "| acceptance | mean accepted length | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|")

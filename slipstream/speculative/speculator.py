@@ -18,7 +18,7 @@ from slipstream.speculative.config import SpeculativeConfig
 from slipstream.speculative.ngram import NgramProposer
 
 # CPU time of a step whose rows each verify 4 drafts over a plain decode step, by decoding rows;
-# SmolLM2-135M bf16, 1 thread, Xeon with AMX (cpu model 143), drafts always rejected
+# SmolLM2-135M bf16, 1 thread, 2-core Xeon with AMX (cpu model 207), drafts always rejected
 # (benchmarks/speculative.py --measure-cost). Beyond the last row count: never speculate.
 VERIFY_COST = ((1, 2.05), (2, 2.18), (4, 2.64), (8, 3.03), (16, 3.59))
 PAUSE_TOKENS = 32
