@@ -13,6 +13,8 @@ Must never know blocks or the model.
 """
 from __future__ import annotations
 
+import itertools
+
 from slipstream.engine.sequence import Sequence
 from slipstream.speculative.config import SpeculativeConfig
 from slipstream.speculative.ngram import NgramProposer
@@ -69,7 +71,7 @@ class Speculator:
 
 def verify_cost(num_decodes: int) -> float | None:
     """VERIFY_COST interpolated linearly in the number of rows; None beyond the table."""
-    for (n0, c0), (n1, c1) in zip(VERIFY_COST, VERIFY_COST[1:]):
+    for (n0, c0), (n1, c1) in itertools.pairwise(VERIFY_COST):
         if num_decodes <= n1:
             return c0 + (c1 - c0) * max(num_decodes - n0, 0) / (n1 - n0)
     return None

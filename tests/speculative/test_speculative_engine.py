@@ -12,7 +12,7 @@ import pytest
 
 from slipstream import LLM, SamplingParams
 from slipstream.speculative import speculator
-from tests.conftest import TINY_VOCAB, random_prompts, save_tiny_tokenizer
+from tests.conftest import TINY_VOCAB, random_prompts
 from tests.engine.test_block_accounting import check_invariants
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

@@ -54,7 +54,7 @@ def test_low_acceptance_pauses_drafts_for_a_while(tiny_llama):
 
 def test_large_batches_do_not_speculate(tiny_llama, monkeypatch):
     monkeypatch.setattr(speculator, "VERIFY_COST", FREE[:1] + ((2, 0.0),))
-    llm, outs = _run(tiny_llama, Always(5), prompts=[PROMPT, PROMPT[:4], PROMPT[:5]],
+    llm, _ = _run(tiny_llama, Always(5), prompts=[PROMPT, PROMPT[:4], PROMPT[:5]],
                      params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert llm.stats()["spec_decode_num_drafts"] == 0
     monkeypatch.setattr(speculator, "VERIFY_COST", FREE[:1] + ((3, 0.0),))
