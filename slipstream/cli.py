@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import sys
 import time
 
@@ -33,6 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--device", default=d.device)
+    parser.add_argument("--speculative-config", type=_json_object, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -42,7 +45,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_sink_tokens=args.kv_cache_sink_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, device=args.device)
+        max_model_len=args.max_model_len, device=args.device, speculative_config=args.speculative_config)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object")
+    return value
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

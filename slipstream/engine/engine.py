@@ -2,7 +2,9 @@
 
 One `step()` schedules a batch (a SchedulerOutput), runs the model once on it, appends the
 sampled tokens, checks stop conditions, frees finished sequences and registers newly
-filled blocks in the prefix cache. It returns a RequestOutput (cumulative so far) for every
+filled blocks in the prefix cache. With speculative decoding a sequence may gain several
+tokens in a step: those up to the first that stops it count, and the lookahead blocks of
+rejected drafts are released. It returns a RequestOutput (cumulative so far) for every
 request that progressed. Inputs are validated by the InputProcessor, outputs built by the
 OutputProcessor; structured-output grammars are validated at add_request and compiled on
 the GrammarCompiler's thread while the step loop goes on.
@@ -35,6 +37,7 @@ from slipstream.engine.model_loader import load_model
 from slipstream.outputs import RequestMetrics, RequestOutput
 from slipstream.platform import resolve_device, resolve_dtype
 from slipstream.sampling_params import SamplingParams
+from slipstream.speculative.speculator import Speculator
 from slipstream.structured.bitmask import GrammarBitmask
 from slipstream.structured.grammars import GrammarCompiler
 from slipstream.worker.model_runner import ModelRunner, RunnerOutput
@@ -56,7 +59,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.speculator)
         eos = self.model_config.eos_token_ids
         vocab = self.model_config.vocab_size
         sampler = Sampler([GrammarBitmask(vocab)] + default_processors(eos))
@@ -189,26 +195,36 @@ class LLMEngine:
         progressed: dict[str, Request] = {}
         for s in scheduled.scheduled:
             seq = self.scheduler.sequences[s.seq_id]
-            seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
             if s.seq_id in result.prompt_logprobs:
                 seq.prompt_logprobs.extend(self.output_processor.logprob_entries(*e)
                                            for e in result.prompt_logprobs[s.seq_id])
-            sample = result.sampled.get(s.seq_id)
-            if sample is None:
-                continue
-            self._append(seq, sample, now)
-            progressed[seq.request_id] = self.requests[seq.request_id]
+            samples = result.sampled.get(s.seq_id, [])
+            self._append(seq, samples, now)
+            # K/V of the rejected drafts is not the sequence's; a stop at an accepted draft leaves all computed
+            rejected = len(s.spec_token_ids) - max(len(samples) - 1, 0)
+            seq.num_computed_tokens = min(seq.num_computed_tokens + s.num_new_tokens - rejected, seq.num_tokens)
+            self.block_manager.cache_full_blocks(seq)
+            if s.spec_token_ids:
+                self.speculator.record(seq, len(s.spec_token_ids), len(samples) - 1)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            elif s.spec_token_ids:
+                self.scheduler.release_lookahead(seq)
+            if samples:
+                progressed[seq.request_id] = self.requests[seq.request_id]
         return list(progressed.values())
 
-    def _append(self, seq: Sequence, sample, now: float) -> None:
-        self.output_processor.append(seq, sample)
-        metrics = seq.metrics
-        metrics.first_token_time = metrics.first_token_time or now
-        metrics.last_token_time = now
-        metrics.num_generation_tokens = max(metrics.num_generation_tokens, seq.num_output_tokens)
-        if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
+    def _append(self, seq: Sequence, samples: list, now: float) -> None:
+        """The step's tokens, up to the first that finishes the sequence (later ones are dropped)."""
+        for sample in samples:
+            self.output_processor.append(seq, sample)
+            if seq.finish_reason is not None:
+                break
+        if samples:
+            metrics = seq.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.num_generation_tokens = max(metrics.num_generation_tokens, seq.num_output_tokens)
 
     def _request_output(self, request: Request) -> RequestOutput:
         if request.finished:
@@ -235,6 +251,7 @@ class LLMEngine:
             "fragmentation": bm.fragmentation(self.scheduler.running),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            **(self.speculator.stats() if self.speculator else {}),
             # MoE models: tokens routed to each expert, per layer
             **({"expert_load": load} if (load := self.runner.model.routing_stats()) else {}),
         }
