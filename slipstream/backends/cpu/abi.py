@@ -48,10 +48,10 @@ class DenseTokens(ctypes.Structure):
 
 
 class TurboQuantAttention(ctypes.Structure):
-    """turboquant_attention.c: one layer's codes, maps in and out of code space, and 16-bit tokens."""
+    """turboquant_attention.c: one layer's codes, maps in and out of code space, 16-bit tokens, query rows."""
     _fields_ = [("keys", CodeRows), ("values", CodeRows), ("to_keys", P), ("back", P),
-                ("dense", ctypes.POINTER(DenseTokens)), ("window", I64), ("kv_heads", I32), ("group", I32),
-                ("dim", I32), ("block_size", I32), ("scale", F32)]
+                ("dense", ctypes.POINTER(DenseTokens)), ("query_start", P), ("window", I64), ("kv_heads", I32),
+                ("group", I32), ("dim", I32), ("block_size", I32), ("scale", F32)]
 
 
 class TurboQuantEncode(ctypes.Structure):
@@ -114,7 +114,8 @@ class Kernels:
     # (layer, batch, q, out)
     paged_decode_attention = Function("paged_attention", ctypes.POINTER(PagedAttention), ctypes.POINTER(DecodeBatch),
                                       P, P, restype=STATUS)
-    turboquant_decode_attention = Function("turboquant_attention", ctypes.POINTER(TurboQuantAttention),
+    # (layer, batch: its sequences, with layer.query_start their query rows, q, out)
+    turboquant_paged_attention = Function("turboquant_attention", ctypes.POINTER(TurboQuantAttention),
                                            ctypes.POINTER(DecodeBatch), P, P, restype=STATUS)
     turboquant_encode = Function("turboquant_encode", ctypes.POINTER(TurboQuantEncode), restype=STATUS)
     # 1 where built with a path for this ISA (AVX-512), else 0 and every call returns -1

@@ -1,10 +1,10 @@
 """Attention kernels of the CPU backend: decode queries over a bf16 cache (kernels/paged_attention.c)
-and over TurboQuant codes (kernels/turboquant_attention.c).
+and decode queries and prefill chunks over TurboQuant codes (kernels/turboquant_attention.c).
 
-Each decode query reads its own blocks up to its own length, with no gather into a padded
-batch. They plug into the torch paths as their `decode_kernel` (attention/reference.py,
-attention/turboquant.py), which attend the prefill rows and any decode batch a kernel
-declines (returns None), and stay what the kernels are tested against.
+Each sequence reads its own blocks up to its own length, with no gather into a padded batch.
+They plug into the torch paths as their `decode_kernel` / `prefill_kernel`
+(attention/reference.py, attention/turboquant.py), which attend whatever a kernel declines
+(returns None) and stay what the kernels are tested against.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from slipstream.attention.metadata import AttentionMetadata
+from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.backends.cpu import abi
 from slipstream.kvcache.turboquant import TurboQuantizer
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
@@ -39,29 +39,48 @@ def decode_batch(batch: int, tables: torch.Tensor, lens: torch.Tensor) -> abi.De
 
 
 def turboquant_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
-                   tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor | None:
+                      tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor | None:
     """The C kernel on the codes (and on the 16-bit window's tokens, if any), q [B, Hk, G, D] -> [B, Hk, G, D]
-    float32; None where it does not run."""
+    float32, one query per sequence; None where it does not run."""
+    return _turboquant(q, k, v, cache, None, tables, lens, scale, window)
+
+
+def turboquant_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+                       chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor | None:
+    """The same kernel for a prefill chunk's queries q [n, Hk, G, D] over its cached prefix and itself (causal),
+    k/v [n, Hk, D] its new tokens, already written; None where it does not run."""
+    starts = torch.tensor([0, chunk.length])
+    lens = torch.tensor([chunk.context_len])
+    return _turboquant(q, k, v, cache, starts, chunk.block_table[None], lens, scale, window)
+
+
+def _turboquant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+                starts: torch.Tensor | None, tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                window: int | None) -> torch.Tensor | None:
+    """q [rows, Hk, G, D]: sequence b's query rows are [starts[b], starts[b + 1]) (None: row b alone)."""
     lib = abi.kernels()
     recent = cache.window
     if (q.device.type != "cpu" or not (_has_slack(cache.k, lib) and _has_slack(cache.v, lib))
             or (recent is not None and recent.k.dtype not in _DENSE_DTYPES)):
         return None
     to_keys, back = cache.decode_maps
-    batch, heads, group, dim = q.shape
+    heads, group, dim = q.shape[1:]
     q = q.float().contiguous()
     out = torch.empty_like(q)
     tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
     keys, values = _code_rows(cache.k, cache.key_quantizer), _code_rows(cache.v, cache.value_quantizer)
-    layer = abi.TurboQuantAttention(keys, values, to_keys.data_ptr(), back.data_ptr(), None, window or 0, heads, group,
-                                    dim, cache.block_size, scale)
+    starts = None if starts is None else starts.to(torch.int64).contiguous()
+    layer = abi.TurboQuantAttention(keys, values, to_keys.data_ptr(), back.data_ptr(), None,
+                                    None if starts is None else starts.data_ptr(), window or 0, heads, group, dim,
+                                    cache.block_size, scale)
     if recent is not None:
         k, v = k.to(recent.k.dtype).contiguous(), v.to(recent.v.dtype).contiguous()
         key_mean = cache.key_mean.contiguous()
         layer.dense = ctypes.pointer(abi.DenseTokens(
             recent.staging_of.data_ptr(), recent.k.data_ptr(), recent.v.data_ptr(), k.data_ptr(), v.data_ptr(),
             key_mean.data_ptr(), recent.tokens, recent.sinks, int(recent.k.dtype == torch.bfloat16)))
-    status = lib.turboquant_decode_attention(layer, decode_batch(batch, tables, lens), q.data_ptr(), out.data_ptr())
+    batch = decode_batch(len(lens), tables, lens)
+    status = lib.turboquant_paged_attention(layer, batch, q.data_ptr(), out.data_ptr())
     return out if status == 0 else None
 
 

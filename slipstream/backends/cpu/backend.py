@@ -2,7 +2,7 @@
 
 Which paths run follows from the CpuCapability alone (flags, kernels built and for which
 ISA), so the choice is made once and can be tested for any CPU: attention on bf16 caches and
-on TurboQuant codes through the decode kernels (backends/cpu/attention.py); bf16, int8 and
+on TurboQuant codes through the native kernels (backends/cpu/attention.py); bf16, int8 and
 int4 weights packed for kernels/gemm.c under one GemmPolicy (backends/cpu/linear.py); MoE
 experts on kernels/moe_expert.c (backends/cpu/moe.py); the fused decode stack
 (backends/cpu/decode_stack.py); otherwise the reference's torch paths.
@@ -16,7 +16,7 @@ from torch import nn
 
 from slipstream.attention import reference, turboquant
 from slipstream.backends.base import AttentionImpl
-from slipstream.backends.cpu.attention import dense_decode, turboquant_decode
+from slipstream.backends.cpu.attention import dense_decode, turboquant_decode, turboquant_prefill
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
 from slipstream.backends.cpu.linear import (AMX_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy, NativeBf16,
@@ -48,7 +48,8 @@ class CpuBackend(ReferenceBackend):
     def attention(self, cache) -> AttentionImpl:
         if self.capability.kernels is not None:
             if isinstance(cache, TurboQuantLayerCache):
-                return functools.partial(turboquant.paged_attention, decode_kernel=turboquant_decode)
+                return functools.partial(turboquant.paged_attention, decode_kernel=turboquant_decode,
+                                         prefill_kernel=turboquant_prefill)
             if isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16:
                 return functools.partial(reference.paged_attention, decode_kernel=dense_decode)
         return super().attention(cache)
@@ -69,8 +70,8 @@ class CpuBackend(ReferenceBackend):
     def describe(self) -> list[str]:
         cap, native = self.capability, self.capability.kernels is not None
         return [f"backend {self.name}: {cap.summary()}",
-                "attention: " + ("native decode kernels on bf16 caches and TurboQuant codes, torch for prefill"
-                                 if native else "torch"),
+                "attention: " + ("native decode kernels on bf16 caches; TurboQuant codes natively for decode and "
+                                 "prefill over a cached prefix; torch for other prefill" if native else "torch"),
                 "linear: " + _linear_policy(cap),
                 "MoE experts: " + _experts_policy(self.experts),
                 "decode stack: " + _decode_stack_policy(cap)]
