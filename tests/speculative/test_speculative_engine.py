@@ -141,3 +141,21 @@ def test_stops_apply_to_accepted_tokens_as_without_speculation(tiny_llama, promp
     assert generate(llm, prompts, params) == reference
     assert reference[0][1] == "stop" and reference[1][1] in ("stop", "length") and len(reference[1][0]) >= 12
     assert llm.stats()["spec_decode_num_accepted_tokens"] > 20
+
+
+def test_logprobs_of_accepted_tokens_equal_the_non_speculative_run(tiny_llama, prompts):
+    """Each token's logprob and its top alternatives come from the position that verified it,
+    as the plain decode step would have computed them (float32: equal within 1e-4)."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    plain = LLM(tiny_llama, dtype="float32", **SMALL).generate(prompts, params, use_tqdm=False)
+    reference = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in plain]
+    llm = _speculative(tiny_llama, prompts, True, reference, **SMALL)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 40
+    for ours, ref in zip(outs, plain):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        for mine, theirs in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
+            assert mine.keys() == theirs.keys()
+            for token, entry in mine.items():
+                assert abs(entry.logprob - theirs[token].logprob) < 1e-4 and entry.rank == theirs[token].rank
+        assert ours.outputs[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-3)
