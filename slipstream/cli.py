@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import sys
 import time
 
@@ -33,6 +34,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--device", default=d.device)
+    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=d.deterministic,
+                        help="batch-invariant outputs (default: where they cost nothing, i.e. CPUs without AMX)")
+    parser.add_argument("--speculative-config", type=_json_object, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -42,7 +47,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_sink_tokens=args.kv_cache_sink_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, device=args.device)
+        max_model_len=args.max_model_len, device=args.device, speculative_config=args.speculative_config,
+        deterministic=args.deterministic)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object")
+    return value
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -137,7 +153,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     from slipstream.platform import resolve_device
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for line in select_backend(resolve_device(args.device)).describe():
+    for line in select_backend(resolve_device(args.device), args.deterministic).describe():
         print(line)
 
 
@@ -215,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     info = sub.add_parser("info", help="which backend and kernels serve this machine, and why")
     info.add_argument("--device", default=EngineConfig().device)
+    info.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None)
     info.set_defaults(func=cmd_info)
     add_serve_parser(sub)
     add_bench_parser(sub)

@@ -3,7 +3,8 @@
 Two sources feed one per-app CollectorRegistry (never the global one, so several apps can
 live in one process):
 
-- engine state (running/waiting, KV cache usage, prefix cache, preemptions) is read from
+- engine state (running/waiting, KV cache usage, prefix cache, preemptions, speculative
+  decoding's drafts and accepted tokens) is read from
   engine.stats() at scrape time by a custom collector;
 - request metrics (token counters, finished requests by reason, latency histograms) are
   recorded from every RequestOutput as the engine produces it (`record`, called on the
@@ -29,6 +30,11 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0)
+SPEC_DECODE_COUNTERS = {
+    "spec_decode_num_drafts": "Speculative verification steps (one per sequence that verified drafts)",
+    "spec_decode_num_draft_tokens": "Draft tokens verified",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted",
+}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -109,6 +115,9 @@ class _EngineCollector(Collector):
                            s["prefix_cache_hits"])
         yield self._metric(CounterMetricFamily, "num_preemptions", "Preemptions (sequences sent back to the queue)",
                            s["num_preemptions"])
+        for name, doc in SPEC_DECODE_COUNTERS.items():
+            if name in s:  # only an engine that speculates has them
+                yield self._metric(CounterMetricFamily, name, doc, s[name])
 
     def _metric(self, family, name: str, doc: str, value: float):
         metric = family(PREFIX + name, doc, labels=LABELS)

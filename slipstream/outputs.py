@@ -25,6 +25,19 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    # speculative decoding: verification steps, draft tokens verified, and accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per verification step: the accepted drafts and the token sampled after them (vLLM's)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def queue_time(self) -> float | None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.backends.cpu.capability import cpu_flags
+from slipstream.backends.cpu.build import cpu_flags
 from slipstream.config import DTYPES
 
 
@@ -19,17 +19,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: native bf16 arithmetic; decode then reads half the bytes of fp32.
-
-    Large bf16 GEMMs are still slower than fp32 without AMX; the CPU backend handles that.
-    """
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    # AVX512-BF16 or AMX: native bf16 arithmetic, so decode reads half the bytes of fp32
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32

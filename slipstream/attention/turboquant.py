@@ -3,11 +3,12 @@
 Queries are scaled by the cache's fixed per-channel key scale and rotated once per step;
 key scores come from the codes (centroid gather in the rotated space, plus the QJL term for
 `-qjl` keys); values are accumulated in the rotated space and rotated back once per query
-row. The cache is never dequantized to the original space. A backend may pass a kernel for
-the decode queries (the CPU's reads each sequence's own blocks' packed codes, no gather or
-padding: backends/cpu/attention.py); otherwise, and for prefill chunks, the same math runs
-in torch (`TurboQuantizer.scores` / `weighted_sum`), which kernels are tested against. A prefill chunk with no cached prefix attends to its own fresh K/V (as every
-engine does); every other query reads the codes.
+row. The cache is never dequantized to the original space. A backend may pass kernels for
+the decode queries and for prefill chunks over a cached prefix (the CPU's read each
+sequence's own blocks' packed codes, no gather or padding: backends/cpu/attention.py);
+otherwise the same math runs in torch (`TurboQuantizer.scores` / `weighted_sum`), which
+kernels are tested against. A prefill chunk with no cached prefix attends to its own fresh
+K/V (as every engine does); every other query reads the codes, its chunk's own tokens too.
 
 With R recent and S sink tokens (kvcache/recent_window.py), a query at position p reads every
 token t <= p with t > p - R or t < S in 16 bits instead: the step's own tokens from the fresh
@@ -30,9 +31,11 @@ from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                    decode_kernel=None) -> torch.Tensor:
+                    decode_kernel=None, prefill_kernel=None) -> torch.Tensor:
     """As reference.paged_attention, on the codes; `decode_kernel(q [B, Hk, G, D], k, v, cache,
-    tables, lens, scale, window)` is a backend's kernel for the decode queries (None: declined)."""
+    tables, lens, scale, window)` is a backend's kernel for the decode queries and
+    `prefill_kernel(q [n, Hk, G, D], k, v, cache, chunk, scale, window)` for a chunk over a
+    cached prefix (either returns None: declined)."""
     if not cache.calibrated:
         return _calibration_attention(q, k, v, cache, scale, sliding_window)
     cache.write(k, v, meta.slot_mapping)
@@ -48,7 +51,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tu
             fresh_k, fresh_v = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             out[rows] = reference.prefill_attention(q[rows], fresh_k, fresh_v, chunk, scale, sliding_window)
         else:
-            out[rows] = _prefill(q[rows], k[rows], v[rows], cache, chunk, scale, sliding_window)
+            out[rows] = _prefill(q[rows], k[rows], v[rows], cache, chunk, scale, sliding_window, prefill_kernel)
     return out
 
 
@@ -108,13 +111,16 @@ def _read_dense(recent: RecentWindow, tables: torch.Tensor, lens: torch.Tensor) 
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
-             chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
+             chunk: PrefillChunk, scale: float, window: int | None, kernel=None) -> torch.Tensor:
+    n, num_heads, dim = q.shape
+    num_kv = cache.k.shape[2]
+    group = num_heads // num_kv
+    out = None if kernel is None else kernel(q.view(n, num_kv, group, dim), k, v, cache, chunk, scale, window)
+    if out is not None:
+        return out.view(n, num_heads, dim).to(q.dtype)
     length = chunk.context_len
     keys, values = cache.codes_by_head(chunk.block_table)
     keys, values = keys[:, :length], values[:, :length]  # [Hk, L, nb]
-    n, num_heads, dim = q.shape
-    num_kv = keys.shape[0]
-    group = num_heads // num_kv
     qg = q.view(n, num_kv, group, dim).permute(1, 2, 0, 3).reshape(num_kv, -1, dim)  # [Hk, G*n, D]
     mask = reference.causal_mask(n, length, window, q.device)  # [n, L]
     dense = None

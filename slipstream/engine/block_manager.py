@@ -150,15 +150,23 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so its head stays cached the longest."""
-        for block_id in reversed(seq.block_table):
+        self.trim(seq, 0)
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> bool:
+        """Release the blocks past those the first `num_tokens` tokens need (lookahead slots of
+        rejected draft tokens, never registered: they lie past the computed tokens); True if any."""
+        keep = self.blocks_for(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} ref count went negative"
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
+        released = len(seq.block_table) > keep
+        del seq.block_table[keep:]
+        return released
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

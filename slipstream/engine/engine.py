@@ -2,7 +2,9 @@
 
 One `step()` schedules a batch (a SchedulerOutput), runs the model once on it, appends the
 sampled tokens, checks stop conditions, frees finished sequences and registers newly
-filled blocks in the prefix cache. It returns a RequestOutput (cumulative so far) for every
+filled blocks in the prefix cache. With speculative decoding a sequence may gain several
+tokens in a step: those up to the first that stops it count, and the lookahead blocks of
+rejected drafts are released. It returns a RequestOutput (cumulative so far) for every
 request that progressed. Inputs are validated by the InputProcessor, outputs built by the
 OutputProcessor; structured-output grammars are validated at add_request and compiled on
 the GrammarCompiler's thread while the step loop goes on.
@@ -30,11 +32,13 @@ from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.calibration import MAX_TOKENS as CALIBRATION_TOKENS, calibration_text
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.layers.logits_processors import default_processors
+from slipstream.layers.moe import Experts
 from slipstream.layers.sampler import Sampler
 from slipstream.engine.model_loader import load_model
 from slipstream.outputs import RequestMetrics, RequestOutput
 from slipstream.platform import resolve_device, resolve_dtype
 from slipstream.sampling_params import SamplingParams
+from slipstream.speculative.speculator import Speculator
 from slipstream.structured.bitmask import GrammarBitmask
 from slipstream.structured.grammars import GrammarCompiler
 from slipstream.worker.model_runner import ModelRunner, RunnerOutput
@@ -48,15 +52,20 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.backend = select_backend(self.device)
+        self.backend = select_backend(self.device, config.deterministic)
         loaded = load_model(config.model, self.dtype, self.backend, config.quantization)
         self.model_path, self.model_config = loaded.path, loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_cache = self._allocate_kv_cache(loaded.model)
+        if config.deterministic:
+            self._check_deterministic(loaded.model)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.speculator)
         eos = self.model_config.eos_token_ids
         vocab = self.model_config.vocab_size
         sampler = Sampler([GrammarBitmask(vocab)] + default_processors(eos))
@@ -85,6 +94,19 @@ class LLMEngine:
         shapes = [(attn.num_kv_heads, attn.head_dim) for attn in model.attention_layers()]
         return KVCache(shapes, kv_dtype, self.dtype, c.kv_cache_memory, c.block_size, self.device,
                        c.kv_cache_dense_layers, c.kv_cache_recent_tokens, c.max_num_seqs, c.kv_cache_sink_tokens)
+
+    def _check_deterministic(self, model) -> None:
+        """deterministic=True is honoured or refused: the parts no invariant kernel serves are named."""
+        kv_dtype = parse_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
+        gaps = [f"dtype {self.dtype} (bfloat16 only)"] * (self.dtype != torch.bfloat16)
+        gaps += [f"quantization {self.config.quantization!r} (None, 'int8' or 'int4' only)"] * (
+            self.config.quantization not in (None, "int8", "int4"))
+        gaps += [f"kv_cache_dtype {self.config.kv_cache_dtype!r} (a bfloat16 cache only)"] * (
+            kv_dtype.dense != torch.bfloat16)
+        gaps += ["MoE experts (their kernels are chosen by group size)"] * any(
+            isinstance(m, Experts) for m in model.modules())
+        if gaps:
+            raise ValueError("deterministic=True: batch invariance does not cover " + "; ".join(gaps))
 
     def _calibrate_kv_cache(self) -> None:
         """Run a fixed prompt first, so TurboQuant's constants never depend on user traffic.
@@ -189,26 +211,36 @@ class LLMEngine:
         progressed: dict[str, Request] = {}
         for s in scheduled.scheduled:
             seq = self.scheduler.sequences[s.seq_id]
-            seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
             if s.seq_id in result.prompt_logprobs:
                 seq.prompt_logprobs.extend(self.output_processor.logprob_entries(*e)
                                            for e in result.prompt_logprobs[s.seq_id])
-            sample = result.sampled.get(s.seq_id)
-            if sample is None:
-                continue
-            self._append(seq, sample, now)
-            progressed[seq.request_id] = self.requests[seq.request_id]
+            samples = result.sampled.get(s.seq_id, [])
+            self._append(seq, samples, now)
+            # K/V of the rejected drafts is not the sequence's; a stop at an accepted draft leaves all computed
+            rejected = len(s.spec_token_ids) - max(len(samples) - 1, 0)
+            seq.num_computed_tokens = min(seq.num_computed_tokens + s.num_new_tokens - rejected, seq.num_tokens)
+            self.block_manager.cache_full_blocks(seq)
+            if s.spec_token_ids:
+                self.speculator.record(seq, len(s.spec_token_ids), len(samples) - 1)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            elif s.spec_token_ids:
+                self.scheduler.release_lookahead(seq)
+            if samples:
+                progressed[seq.request_id] = self.requests[seq.request_id]
         return list(progressed.values())
 
-    def _append(self, seq: Sequence, sample, now: float) -> None:
-        self.output_processor.append(seq, sample)
-        metrics = seq.metrics
-        metrics.first_token_time = metrics.first_token_time or now
-        metrics.last_token_time = now
-        metrics.num_generation_tokens = max(metrics.num_generation_tokens, seq.num_output_tokens)
-        if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
+    def _append(self, seq: Sequence, samples: list, now: float) -> None:
+        """The step's tokens, up to the first that finishes the sequence (later ones are dropped)."""
+        for sample in samples:
+            self.output_processor.append(seq, sample)
+            if seq.finish_reason is not None:
+                break
+        if samples:
+            metrics = seq.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.num_generation_tokens = max(metrics.num_generation_tokens, seq.num_output_tokens)
 
     def _request_output(self, request: Request) -> RequestOutput:
         if request.finished:
@@ -235,8 +267,9 @@ class LLMEngine:
             "fragmentation": bm.fragmentation(self.scheduler.running),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            **(self.speculator.stats() if self.speculator else {}),
             # MoE models: tokens routed to each expert, per layer
-            **({"expert_load": self.runner.model.routing_stats()} if hasattr(self.runner.model, "routing_stats") else {}),
+            **({"expert_load": load} if (load := self.runner.model.routing_stats()) else {}),
         }
 
     def _maybe_log_stats(self) -> None:

@@ -1,6 +1,7 @@
 """Scheduler: continuous batching under a token budget, chunked prefill, preemption.
 
-Each step, running sequences get their decode token first; the rest of the budget
+Each step, running sequences get their decode token first (and, with speculative
+decoding, the Speculator's draft tokens after it, with lookahead slots to verify them in); the rest of the budget
 (`max_num_batched_tokens`) goes to prefill chunks, of running sequences first, then of
 waiting ones admitted in arrival order while `max_num_seqs` allows (a sequence whose grammar
 is still compiling is passed over, and those behind it go ahead). When a running
@@ -19,11 +20,14 @@ from collections import deque
 from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.scheduler_output import NewSequence, ScheduledSequence, SchedulerOutput
 from slipstream.engine.sequence import Sequence, SequenceStatus
+from slipstream.speculative.speculator import Speculator
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 speculator: Speculator | None = None):
         self.block_manager = block_manager
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -41,9 +45,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """This step's sequences, each with its number of new tokens."""
         scheduled: dict[Sequence, int] = {}
+        drafts: dict[Sequence, list[int]] = {}
         preemptions_before = self.num_preemptions
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        proposals = self.speculator.propose(decodes) if self.speculator else {}
         for seq in decodes + prefills:
             budget = self._budget_left(scheduled)
             if budget == 0:
@@ -51,13 +57,18 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed_tokens, budget)
-            if self._make_room(seq, n, scheduled):
-                scheduled[seq] = n
+            drafts[seq] = self._lookahead(seq, proposals.get(seq, [])[:budget - n])
+            if self._make_room(seq, n + len(drafts[seq]), scheduled):
+                scheduled[seq] = n + len(drafts[seq])
         if self.num_preemptions == preemptions_before:  # no memory to spare after a preemption
             self._admit_waiting(scheduled, self._budget_left(scheduled))
-        return self._output(scheduled)
+        return self._output(scheduled, drafts)
 
-    def _output(self, scheduled: dict[Sequence, int]) -> SchedulerOutput:
+    def _lookahead(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        """The drafts whose lookahead slots fit (drafts never preempt anyone)."""
+        return drafts if drafts and self.block_manager.append_slots(seq, 1 + len(drafts)) else []
+
+    def _output(self, scheduled: dict[Sequence, int], drafts: dict[Sequence, list[int]]) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self._finished)
         self._finished = []
         for seq, n in scheduled.items():
@@ -67,7 +78,7 @@ class Scheduler:
                 out.new_sequences.append(NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
                                                      seq.params, seq.index, grammar))
             out.scheduled.append(ScheduledSequence(seq.seq_id, n, seq.num_computed_tokens, seq.block_table[sent or 0:],
-                                                   seq.seq_id in self._resumed))
+                                                   seq.seq_id in self._resumed, drafts.get(seq, [])))
             self._resumed.discard(seq.seq_id)
             self._blocks_sent[seq.seq_id] = len(seq.block_table)
         return out
@@ -110,6 +121,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         if seq.seq_id in self._blocks_sent:
+            self._blocks_sent[seq.seq_id] = 0
+            self._resumed.add(seq.seq_id)
+
+    def release_lookahead(self, seq: Sequence) -> None:
+        """After a verification: the blocks that only rejected drafts reached go back to the pool
+        (the runner then gets the sequence's block table anew)."""
+        if self.block_manager.trim(seq, seq.num_tokens):
             self._blocks_sent[seq.seq_id] = 0
             self._resumed.add(seq.seq_id)
 

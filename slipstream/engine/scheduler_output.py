@@ -35,7 +35,8 @@ class ScheduledSequence:
     num_new_tokens: int       # tokens whose K/V this step computes
     num_computed_tokens: int  # tokens already in the cache before this step
     new_block_ids: list[int]  # appended to the sequence's block table (its whole table when `resumed`)
-    resumed: bool = False     # preempted earlier: its block table starts over
+    resumed: bool = False     # its block table starts over (preempted, or cut back after rejected drafts)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify: the last of the new tokens
 
 
 @dataclass

@@ -44,6 +44,8 @@ class Sequence:
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
+        self.spec_accepted: float | None = None  # speculative decoding: running mean of accepted drafts
+        self.spec_paused_until = 0  # no drafts before the sequence has this many tokens
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.output_text = ""

@@ -3,7 +3,8 @@
 Order (vLLM's): the logits processors on the raw logits (the grammar mask of structured
 outputs, allowed_token_ids, logit_bias, min_tokens, penalties), then temperature, min_p, top_k, top_p, then a draw from each row's
 own generator (the exponential-race form of sampling, so a seeded sequence draws the same
-numbers whatever the batch). Log-probabilities reported to the user are those of the raw
+numbers whatever the batch). A row that verifies a draft token keeps it or replaces it by
+rejection sampling (greedy rows: where it is the argmax). Log-probabilities reported to the user are those of the raw
 model logits. The sampler knows rows, never sequences or the scheduler.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slipstream.layers import rejection_sampler
 from slipstream.layers.logits_processors import LogitsProcessor
 from slipstream.sampling_params import SamplingParams
 
@@ -25,6 +27,7 @@ class SamplingMetadata:
     num_prompt_tokens: list[int]
     generators: list[torch.Generator]
     grammars: list | None = None  # each row's GrammarState (structured outputs) or None; None: no row has one
+    draft_token_ids: list[int | None] | None = None  # the draft each row verifies (speculative decoding), or None
 
 
 @dataclass
@@ -48,8 +51,9 @@ class Sampler:
         tokens = argmax(logits)
         random_rows = [i for i, p in enumerate(meta.params) if not p.greedy]
         if random_rows:
+            drafts = meta.draft_token_ids or [None] * len(meta.params)
             tokens[random_rows] = _sample(logits[random_rows], [meta.params[i] for i in random_rows],
-                                          [meta.generators[i] for i in random_rows])
+                                          [meta.generators[i] for i in random_rows], [drafts[i] for i in random_rows])
         tokens = tokens.tolist()
         return [_result(tokens[i], raw_logprobs, i, p.logprobs) for i, p in enumerate(meta.params)]
 
@@ -81,7 +85,8 @@ def _result(token_id: int, raw_logprobs: torch.Tensor | None, row: int, num_top:
     return SampleResult(token_id, logprob, rank, top)
 
 
-def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+            drafts: list[int | None]) -> torch.Tensor:
     # a temperature beyond float32 would become inf and turn masked (-inf) logits into NaN;
     # float32's largest already flattens every finite logit to a uniform draw, its limit
     temperature = torch.tensor([p.temperature for p in params]).clamp_(max=torch.finfo(torch.float32).max)
@@ -94,8 +99,13 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list
     top_p = [p.top_p for p in params]
     if any(top_k) or any(p < 1.0 for p in top_p):
         probs = _top_k_top_p(probs, top_k, top_p)
-    noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=g) for g in generators])
-    return argmax(probs / noise.to(probs.device))
+    noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=g) for g in generators]).to(probs.device)
+    tokens = argmax(probs / noise)
+    rows = [i for i, d in enumerate(drafts) if d is not None]
+    if rows:  # a greedy row needs no test: its draft stands where it is the argmax
+        tokens[rows] = rejection_sampler.verify(probs[rows], [drafts[i] for i in rows],
+                                                [generators[i] for i in rows], noise[rows])
+    return tokens
 
 
 def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

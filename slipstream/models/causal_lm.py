@@ -13,8 +13,15 @@ from torch import nn
 
 from slipstream.layers.attention import Attention
 from slipstream.layers.linear import Linear
+from slipstream.layers.moe import reset_routing_stats, routing_stats
 from slipstream.models.config import ModelConfig
 from slipstream.models.weights import load_stacked_weights
+
+
+def scaled_embedding(embedding: nn.Embedding, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gemma's embeddings times `scale`, which the reference rounds to the weight dtype first
+    (sqrt(640) becomes 25.25 in bf16)."""
+    return embedding(ids) * torch.tensor(scale, dtype=embedding.weight.dtype, device=embedding.weight.device)
 
 
 class CausalLM(nn.Module):
@@ -30,7 +37,9 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_stacked_weights(self, weights)
@@ -40,6 +49,13 @@ class CausalLM(nn.Module):
         has such a path (the llama family's)."""
         if stack is not None and hasattr(self.model, "decode_stack"):
             self.model.decode_stack = stack
+
+    def routing_stats(self) -> dict[int, list[int]]:
+        """Tokens each expert has received so far, per MoE layer (the engine's `expert_load`); {} when dense."""
+        return routing_stats(self.model.layers)
+
+    def reset_routing_stats(self) -> None:
+        reset_routing_stats(self.model.layers)
 
     def attention_layers(self) -> list[Attention]:
         """The attention layers that own a KV cache, in layer order (Gemma 4's KV-sharing

@@ -36,6 +36,7 @@ class ModelConfig:
     clip_qkv: float | None = None     # clamp q, k and v to [-clip_qkv, clip_qkv] (OLMoE)
     sliding_window: int | None = None
     hidden_act: str = "silu"
+    final_logit_softcapping: float | None = None  # logits -> tanh(logits / cap) * cap (Gemma)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 

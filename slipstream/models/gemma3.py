@@ -26,7 +26,7 @@ from torch import nn
 from slipstream.layers.mlp import GatedMLP
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.models.causal_lm import CausalLM
+from slipstream.models.causal_lm import CausalLM, scaled_embedding
 from slipstream.models.config import ModelConfig, UnsupportedModelError, common_fields
 from slipstream.models.llama import LlamaAttention
 
@@ -38,7 +38,6 @@ class Gemma3Config(ModelConfig):
     layer_types: list[str] = field(default_factory=list)  # SLIDING or FULL, one per layer
     query_pre_attn_scalar: float = 256.0
     rope_local_theta: float = 10000.0                    # rope base of the sliding layers
-    final_logit_softcapping: float | None = None
 
 
 def _rope_bases(cfg: dict) -> tuple[float, dict | None, float]:
@@ -94,9 +93,7 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        # the factor is rounded to the model dtype first, as in the reference (sqrt(640) -> 25.25 in bf16)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        x = scaled_embedding(self.embed_tokens, input_ids, self.embed_scale)
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)
@@ -133,10 +130,3 @@ class Gemma3ForCausalLM(CausalLM):
 
     def __init__(self, config: Gemma3Config):
         super().__init__(config, Gemma3Model(config))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = cap * torch.tanh(logits / cap)
-        return logits.float()

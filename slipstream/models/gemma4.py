@@ -31,14 +31,14 @@ from torch import nn
 from slipstream.layers.attention import Attention
 from slipstream.layers.linear import Linear
 from slipstream.layers.mlp import GatedMLP, activation
-from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats
+from slipstream.layers.moe import SparseMoeBlock
 from slipstream.layers.norm import RMSNorm, rms_norm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.models.causal_lm import CausalLM
-from slipstream.models.config import ModelConfig, UnsupportedModelError
+from slipstream.models.causal_lm import CausalLM, scaled_embedding
+from slipstream.models.config import ModelConfig, UnsupportedModelError, common_fields
+from slipstream.models.gemma3 import FULL, SLIDING
 from slipstream.models.weights import load_stacked_weights, rename_weights
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 _DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
     FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
@@ -63,7 +63,6 @@ class Gemma4Config(ModelConfig):
     moe_intermediate_size: int = 0
     hidden_size_per_layer_input: int = 0
     vocab_size_per_layer_input: int = 0
-    final_logit_softcapping: float | None = None
 
     def shares_kv(self, layer: int) -> bool:
         """Whether `layer` attends over the K/V of the last earlier layer of its type, not its own."""
@@ -180,7 +179,7 @@ class Gemma4Model(nn.Module):
             self.per_layer_projection_norm = RMSNorm(ple, config.rms_norm_eps, cast_last=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = _scaled_embedding(self.embed_tokens, input_ids, self.config.hidden_size ** 0.5)
+        x = scaled_embedding(self.embed_tokens, input_ids, self.config.hidden_size ** 0.5)
         per_layer = self._per_layer_inputs(input_ids, x) if self.config.hidden_size_per_layer_input else None
         shared_kv: dict = {}
         for i, layer in enumerate(self.layers):
@@ -193,7 +192,7 @@ class Gemma4Model(nn.Module):
         shape = (-1, c.num_hidden_layers, c.hidden_size_per_layer_input)
         projected = self.per_layer_model_projection(x) * c.hidden_size ** -0.5
         projected = self.per_layer_projection_norm(projected.view(shape))
-        token = _scaled_embedding(self.embed_tokens_per_layer, input_ids, c.hidden_size_per_layer_input ** 0.5)
+        token = scaled_embedding(self.embed_tokens_per_layer, input_ids, c.hidden_size_per_layer_input ** 0.5)
         return (projected + token.view(shape)) * 2 ** -0.5
 
 
@@ -209,22 +208,18 @@ class Gemma4ForCausalLM(CausalLM):
         head_dims, kv_heads = _per_layer_shapes(cfg, layer_types)
         rope = {**_DEFAULT_ROPE, **(cfg.get("rope_parameters") or {})}
         moe = cfg.get("enable_moe_block", False)
-        return Gemma4Config(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=num_layers,
-            num_attention_heads=cfg["num_attention_heads"],
+        fields = common_fields(arch, cfg) | dict(
             num_key_value_heads=cfg.get("num_key_value_heads", 4),
             head_dim=cfg.get("head_dim", 256),
             max_position_embeddings=cfg.get("max_position_embeddings", 131_072),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            hidden_act=cfg.get("hidden_activation", "gelu_pytorch_tanh"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+        return Gemma4Config(
+            **fields,
             attention_bias=cfg.get("attention_bias", False),
             sliding_window=cfg.get("sliding_window", 512),
-            hidden_act=cfg.get("hidden_activation", "gelu_pytorch_tanh"),
-            bos_token_id=cfg.get("bos_token_id"),
             layer_types=layer_types,
             layer_head_dims=head_dims,
             layer_kv_heads=kv_heads,
@@ -238,22 +233,10 @@ class Gemma4ForCausalLM(CausalLM):
             moe_intermediate_size=cfg["moe_intermediate_size"] if moe else 0,
             hidden_size_per_layer_input=cfg.get("hidden_size_per_layer_input", 256),
             vocab_size_per_layer_input=cfg.get("vocab_size_per_layer_input", 262_144),
-            final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
 
     def __init__(self, config: Gemma4Config):
         super().__init__(config, Gemma4Model(config))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def routing_stats(self) -> dict[int, list[int]]:
-        return routing_stats(self.model.layers)
-
-    def reset_routing_stats(self) -> None:
-        reset_routing_stats(self.model.layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_stacked_weights(self, rename_weights(_text_weights(weights, self.config), _RENAMES))
@@ -312,7 +295,3 @@ def gemma_rotary(head_dim: int, max_position: int, params: dict) -> RotaryEmbedd
         rotary.sin.copy_(freqs.sin())
     return rotary
 
-
-def _scaled_embedding(embedding: nn.Embedding, ids: torch.Tensor, scale: float) -> torch.Tensor:
-    # transformers rounds the scale to the weight dtype first (sqrt(3072) becomes 55.5 in bf16)
-    return embedding(ids) * torch.tensor(scale, dtype=embedding.weight.dtype)

@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from slipstream.layers.moe import SparseMoeBlock, reset_routing_stats, routing_stats
+from slipstream.layers.moe import SparseMoeBlock
 from slipstream.models.config import ModelConfig, common_fields
 from slipstream.models.llama import LlamaForCausalLM
 from slipstream.models.weights import load_stacked_weights, rename_weights, stack_expert_weights
@@ -47,13 +47,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def mlp(self, config: MoeConfig, layer: int) -> nn.Module:
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                               config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act)
-
-    def routing_stats(self) -> dict[int, list[int]]:
-        """Tokens each expert has received so far, per MoE layer (the engine's `expert_load`)."""
-        return routing_stats(self.model.layers)
-
-    def reset_routing_stats(self) -> None:
-        reset_routing_stats(self.model.layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = stack_expert_weights(rename_weights(weights, self.RENAMES), self.config.num_experts)

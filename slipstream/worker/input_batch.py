@@ -32,6 +32,7 @@ class CachedSequence:
     block_ids: list[int]
     next_prompt_logprob: int = 1  # first prompt position whose logprob is still owed (position 0 has none)
     grammar: GrammarState | None = None  # structured outputs: has accepted every output token so far
+    num_drafts: int = 0  # draft tokens at the end of token_ids while this step verifies them
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -5,7 +5,9 @@ scheduler names it finished: its tokens (the runner appends what it samples), it
 table and its sampling state (generator, and the grammar state of structured outputs, which
 accepts each token as it is appended). Rows with one new token are laid out first, then the others.
 Logits are computed only for rows that sample (the last token of a row that reaches its
-sequence's last known token) and for prompt positions whose logprob was asked for.
+sequence's last known token, and each position that verifies a draft token) and for prompt
+positions whose logprob was asked for. A speculating row carries its last token and k
+drafts; it yields the drafts accepted and one token more (the correction or the bonus).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ LogitRow = tuple[int, CachedSequence, int | None]
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[int, SampleResult] = field(default_factory=dict)  # by seq_id
+    sampled: dict[int, list[SampleResult]] = field(default_factory=dict)  # by seq_id, the step's tokens in order
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)
 
 
@@ -71,6 +73,8 @@ class ModelRunner:
                 seq.block_ids = list(s.new_block_ids)
             else:
                 seq.block_ids += s.new_block_ids
+            seq.token_ids += s.spec_token_ids  # verified this step, then replaced by what is accepted
+            seq.num_drafts = len(s.spec_token_ids)
             rows.append((seq, s.num_computed_tokens, s.num_new_tokens))
         return sorted(rows, key=lambda row: row[2] != 1)  # stable: decode rows first, in scheduler order
 
@@ -85,16 +89,19 @@ class ModelRunner:
                 out.prompt_logprobs.setdefault(seq.seq_id, []).append(entry)
         samples = [i for i, (_, _, target) in enumerate(plan) if target is None]
         if samples:
-            seqs = [plan[i][1] for i in samples]
+            rows = _sample_rows([plan[i][1] for i in samples])
+            seqs = [seq for seq, _ in rows]
             grammars = [s.grammar for s in seqs]
-            meta = SamplingMetadata([s.params for s in seqs], [s.token_ids for s in seqs],
+            meta = SamplingMetadata([s.params for s in seqs], [_history(s, p) for s, p in rows],
                                     [s.num_prompt_tokens for s in seqs], [s.generator for s in seqs],
-                                    grammars if any(grammars) else None)
-            for seq, result in zip(seqs, self.sampler(_rows(logits, samples), meta)):
-                seq.token_ids.append(result.token_id)
-                if seq.grammar is not None:
-                    seq.grammar.accept(result.token_id)
-                out.sampled[seq.seq_id] = result
+                                    grammars if any(grammars) else None,
+                                    [_draft(s, p) for s, p in rows] if any(s.num_drafts for s in seqs) else None)
+            results = self.sampler(_rows(logits, samples), meta)
+            start = 0
+            while start < len(rows):
+                seq, end = rows[start][0], start + rows[start][0].num_drafts + 1
+                out.sampled[seq.seq_id] = _accept(seq, results[start:end])
+                start = end
         return out
 
 
@@ -102,6 +109,39 @@ def _cached(new: NewSequence) -> CachedSequence:
     return CachedSequence(new.seq_id, list(new.token_ids), new.num_prompt_tokens, new.params,
                           _make_generator(new.params.seed, new.index), [],
                           grammar=GrammarState(new.grammar) if new.grammar is not None else None)
+
+
+def _sample_rows(seqs: list[CachedSequence]) -> list[tuple[CachedSequence, int]]:
+    """(sequence, position of the token the row follows) per sampling row: a speculating
+    sequence has one row per draft, then one after its last token, consecutive."""
+    rows: list[tuple[CachedSequence, int]] = []
+    while len(rows) < len(seqs):
+        seq = seqs[len(rows)]
+        last = len(seq.token_ids) - 1
+        rows += [(seq, p) for p in range(last - seq.num_drafts, last + 1)]
+    return rows
+
+
+def _history(seq: CachedSequence, position: int) -> list[int]:
+    """The tokens a row's logits follow (the sequence itself, uncopied, where it follows the last)."""
+    return seq.token_ids if position == len(seq.token_ids) - 1 else seq.token_ids[:position + 1]
+
+
+def _draft(seq: CachedSequence, position: int) -> int | None:
+    return seq.token_ids[position + 1] if position + 1 < len(seq.token_ids) else None
+
+
+def _accept(seq: CachedSequence, results: list[SampleResult]) -> list[SampleResult]:
+    """Replace the drafts by what the step sampled: the drafts up to the first rejected, and one token more."""
+    drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts:]
+    rejected = next((i for i, (r, d) in enumerate(zip(results, drafts)) if r.token_id != d), len(drafts))
+    del seq.token_ids[len(seq.token_ids) - seq.num_drafts:]
+    seq.num_drafts = 0
+    for result in results[:rejected + 1]:
+        seq.token_ids.append(result.token_id)
+        if seq.grammar is not None:
+            seq.grammar.accept(result.token_id)
+    return results[:rejected + 1]
 
 
 def _logit_plan(rows: list[Row]) -> list[LogitRow]:
@@ -113,7 +153,7 @@ def _logit_plan(rows: list[Row]) -> list[LogitRow]:
             plan += [(start + t - done - 1, seq, t) for t in targets]
             seq.next_prompt_logprob = max(seq.next_prompt_logprob, targets.stop)
         if done + n == len(seq.token_ids):
-            plan.append((start + n - 1, seq, None))
+            plan += [(start + n - 1 - j, seq, None) for j in range(seq.num_drafts, -1, -1)]
         start += n
     return plan
 

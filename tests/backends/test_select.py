@@ -3,6 +3,7 @@ so every CPU kind is tested here by forcing one (flags, and a build that reports
 its kernels have a path), whatever this machine is."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from slipstream.backends.cpu.backend import CpuBackend
-from slipstream.backends.cpu.capability import CpuCapability, cpu_flags
+from slipstream.backends.cpu.build import cpu_flags
+from slipstream.backends.cpu.capability import CpuCapability, usable_flags
 from slipstream.backends.cuda.backend import CudaBackend
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.backends.select import select_backend
@@ -67,9 +69,19 @@ def test_the_decode_stack_exists_only_where_gemm_c_has_a_path(tiny_llama, kind):
 
 def test_devices_select_their_backend():
     cpu = select_backend(torch.device("cpu"))
-    assert isinstance(cpu, CpuBackend) and cpu.capability.flags == cpu_flags()
+    assert isinstance(cpu, CpuBackend)
+    assert cpu.capability.flags == usable_flags(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
     assert isinstance(select_backend(torch.device("cuda")), CudaBackend)  # chosen without touching a GPU
     assert type(select_backend(torch.device("meta"))) is ReferenceBackend
+
+
+def test_onednn_isa_cap_below_amx_makes_an_amx_cpu_choose_as_one_without(monkeypatch):
+    assert usable_flags(AMX_FLAGS, "avx512_core_bf16") == AVX512_FLAGS
+    assert usable_flags(AMX_FLAGS, "AVX512_CORE_AMX") == usable_flags(AMX_FLAGS, "DEFAULT") == AMX_FLAGS
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    capability = CpuCapability.detect()
+    assert not capability.amx and not capability.amx_kernels
+    assert CpuBackend(capability).name != "cpu-amx"
 
 
 def test_info_prints_the_backend_of_this_machine():

@@ -40,11 +40,11 @@ def test_the_runner_forgets_finished_sequences_and_follows_resumed_block_tables(
     runner = llm.engine.runner
     prompt = random_prompts(1, 6, 6, seed=5)[0]
     out = runner.execute(SchedulerOutput([NewSequence(7, prompt, 6, GREEDY)], [ScheduledSequence(7, 6, 0, [0, 1])]))
-    assert list(out.sampled) == [7] and runner.sequences[7].token_ids[-1] == out.sampled[7].token_id
+    assert list(out.sampled) == [7] and runner.sequences[7].token_ids[-1] == out.sampled[7][0].token_id
     # preempted and recomputed into other blocks: the same next token
     again = runner.execute(SchedulerOutput([], [ScheduledSequence(7, 7, 0, [5, 6], resumed=True)]))
     assert runner.sequences[7].block_ids == [5, 6]
     expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    assert [out.sampled[7].token_id, again.sampled[7].token_id] == expected[0].outputs[0].token_ids
+    assert [out.sampled[7][0].token_id, again.sampled[7][0].token_id] == expected[0].outputs[0].token_ids
     runner.execute(SchedulerOutput(finished_seq_ids=[7]))
     assert 7 not in runner.sequences

@@ -48,10 +48,10 @@ class DenseTokens(ctypes.Structure):
 
 
 class TurboQuantAttention(ctypes.Structure):
-    """turboquant_attention.c: one layer's codes, maps in and out of code space, and 16-bit tokens."""
+    """turboquant_attention.c: one layer's codes, maps in and out of code space, 16-bit tokens, query rows."""
     _fields_ = [("keys", CodeRows), ("values", CodeRows), ("to_keys", P), ("back", P),
-                ("dense", ctypes.POINTER(DenseTokens)), ("window", I64), ("kv_heads", I32), ("group", I32),
-                ("dim", I32), ("block_size", I32), ("scale", F32)]
+                ("dense", ctypes.POINTER(DenseTokens)), ("query_start", P), ("window", I64), ("kv_heads", I32),
+                ("group", I32), ("dim", I32), ("block_size", I32), ("scale", F32)]
 
 
 class TurboQuantEncode(ctypes.Structure):
@@ -114,7 +114,8 @@ class Kernels:
     # (layer, batch, q, out)
     paged_decode_attention = Function("paged_attention", ctypes.POINTER(PagedAttention), ctypes.POINTER(DecodeBatch),
                                       P, P, restype=STATUS)
-    turboquant_decode_attention = Function("turboquant_attention", ctypes.POINTER(TurboQuantAttention),
+    # (layer, batch: its sequences, with layer.query_start their query rows, q, out)
+    turboquant_paged_attention = Function("turboquant_attention", ctypes.POINTER(TurboQuantAttention),
                                            ctypes.POINTER(DecodeBatch), P, P, restype=STATUS)
     turboquant_encode = Function("turboquant_encode", ctypes.POINTER(TurboQuantEncode), restype=STATUS)
     # 1 where built with a path for this ISA (AVX-512), else 0 and every call returns -1
@@ -131,6 +132,8 @@ class Kernels:
     gemm_int4_amx = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_bf16_amx_silu = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8_amx_silu = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int8_amx_widened = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int8_amx_widened_silu = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     # (gate_up, act, tokens, width, threads): act [tokens, width] = silu(gate) * up, as the _silu epilogues round
     silu_and_mul_bf16 = Function("gemm", P, P, I64, I64, I32, restype=STATUS)

@@ -1,14 +1,14 @@
-"""Attention kernels of the CPU backend: every query over a bf16 cache (kernels/paged_attention.c),
-decode queries over TurboQuant codes (kernels/turboquant_attention.c).
+"""Attention kernels of the CPU backend: queries over a bf16 cache (kernels/paged_attention.c) and
+decode queries and prefill chunks over TurboQuant codes (kernels/turboquant_attention.c).
 
 Each query reads its own blocks up to its own length, with no gather into a padded batch.
-On a bf16 cache a prefill chunk's queries go through the same kernel as decode queries, each
-as if it were the last token of its sequence: a token's attention output is then the same
-bits whether it was computed in a prefill chunk of any size, after a prefix-cache hit, after
-preemption, or as a decode token (batch invariance), where torch's SDPA blocks keys by the
-chunk's shape. The torch paths (attention/reference.py, attention/turboquant.py) serve what a
-kernel declines and stay what the kernels are tested against; the TurboQuant kernel plugs
-into its torch path as the `decode_kernel`.
+They plug into the torch paths as their `decode_kernel` / `prefill_kernel`
+(attention/reference.py, attention/turboquant.py), which attend whatever a kernel declines
+(returns None) and stay what the kernels are tested against. Batch-invariant backends take
+`dense_attention` instead: a prefill chunk's queries go through the decode kernel too, each as
+if it were the last token of its sequence, so a token's attention output is the same bits
+whether it was computed in a prefill chunk of any size, after a prefix-cache hit, after
+preemption, or as a decode token, where torch's SDPA blocks keys by the chunk's shape.
 """
 from __future__ import annotations
 
@@ -17,16 +17,24 @@ import ctypes
 import torch
 
 from slipstream.attention import reference
-from slipstream.attention.metadata import AttentionMetadata
+from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.backends.cpu import abi
 from slipstream.kvcache.turboquant import TurboQuantizer
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 
+def dense_decode(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,
+                 window: int | None) -> torch.Tensor | None:
+    """Attention of decode queries q [B, Hq, D] over a bf16 cache; None where the kernel declines."""
+    if q.dtype != torch.bfloat16 or cache.k.dtype != torch.bfloat16:
+        return None
+    return _paged(q, cache, scale, window, meta.decode_block_tables, meta.decode_context_lens)
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, meta: AttentionMetadata, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
-    """attention/reference.py's `paged_attention` for a bf16 cache: the step's K/V written, then
-    every query q [T, Hq, D] -> [T, Hq, D] in one call of the kernel (the torch path where the
+    """attention/reference.py's `paged_attention` for a bf16 cache, every query q [T, Hq, D] -> [T, Hq, D]
+    in one call of the decode kernel after the step's K/V are written (the torch path where the
     shapes are beyond it)."""
     lib = abi.kernels()
     kv_heads, _, block_size, dim = cache.k.shape
@@ -35,20 +43,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, me
             or block_size > lib.paged_attention_max_block):
         return reference.paged_attention(q, k, v, cache, meta, scale, sliding_window)
     cache.write(k, v, meta.slot_mapping)
-    return attend(q, cache, meta, scale, sliding_window)
-
-
-def attend(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-    """Each query of q [T, Hq, D] over its own context in a bf16 cache that holds the step's K/V,
-    as the last token of that context: [T, Hq, D]. The caller checked the shapes."""
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    kv_heads, num_blocks, block_size, dim = cache.k.shape
-    layer = abi.PagedAttention(cache.k.data_ptr(), cache.v.data_ptr(), num_blocks, window or 0, block_size,
-                               q.shape[1], kv_heads, dim, scale)
-    tables, lens = query_tables(meta)
-    if abi.kernels().paged_decode_attention(layer, decode_batch(q.shape[0], tables, lens), q.data_ptr(),
-                                            out.data_ptr()):
+    out = _paged(q, cache, scale, sliding_window, *query_tables(meta))
+    if out is None:
         raise ValueError(f"paged attention declined {q.shape[1]} heads over {kv_heads}, head size {dim}")
     return out
 
@@ -67,6 +63,18 @@ def query_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     return meta.step_cache[key]
 
 
+def _paged(q: torch.Tensor, cache, scale: float, window: int | None, tables: torch.Tensor,
+           lens: torch.Tensor) -> torch.Tensor | None:
+    """Query row i of q over the first lens[i] tokens of block table row i, as the last of them."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    kv_heads, num_blocks, block_size, dim = cache.k.shape
+    layer = abi.PagedAttention(cache.k.data_ptr(), cache.v.data_ptr(), num_blocks, window or 0, block_size,
+                               q.shape[1], kv_heads, dim, scale)
+    batch = decode_batch(q.shape[0], tables, lens)
+    return out if abi.kernels().paged_decode_attention(layer, batch, q.data_ptr(), out.data_ptr()) == 0 else None
+
+
 def decode_batch(batch: int, tables: torch.Tensor, lens: torch.Tensor) -> abi.DecodeBatch:
     """The kernels' description of `batch` decode queries over contiguous int64 block tables
     [batch, max_blocks] and context lengths [batch]; the tensors must outlive the call."""
@@ -74,29 +82,48 @@ def decode_batch(batch: int, tables: torch.Tensor, lens: torch.Tensor) -> abi.De
 
 
 def turboquant_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
-                   tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor | None:
+                      tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor | None:
     """The C kernel on the codes (and on the 16-bit window's tokens, if any), q [B, Hk, G, D] -> [B, Hk, G, D]
-    float32; None where it does not run."""
+    float32, one query per sequence; None where it does not run."""
+    return _turboquant(q, k, v, cache, None, tables, lens, scale, window)
+
+
+def turboquant_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+                       chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor | None:
+    """The same kernel for a prefill chunk's queries q [n, Hk, G, D] over its cached prefix and itself (causal),
+    k/v [n, Hk, D] its new tokens, already written; None where it does not run."""
+    starts = torch.tensor([0, chunk.length])
+    lens = torch.tensor([chunk.context_len])
+    return _turboquant(q, k, v, cache, starts, chunk.block_table[None], lens, scale, window)
+
+
+def _turboquant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+                starts: torch.Tensor | None, tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                window: int | None) -> torch.Tensor | None:
+    """q [rows, Hk, G, D]: sequence b's query rows are [starts[b], starts[b + 1]) (None: row b alone)."""
     lib = abi.kernels()
     recent = cache.window
     if (q.device.type != "cpu" or not (_has_slack(cache.k, lib) and _has_slack(cache.v, lib))
             or (recent is not None and recent.k.dtype not in _DENSE_DTYPES)):
         return None
     to_keys, back = cache.decode_maps
-    batch, heads, group, dim = q.shape
+    heads, group, dim = q.shape[1:]
     q = q.float().contiguous()
     out = torch.empty_like(q)
     tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
     keys, values = _code_rows(cache.k, cache.key_quantizer), _code_rows(cache.v, cache.value_quantizer)
-    layer = abi.TurboQuantAttention(keys, values, to_keys.data_ptr(), back.data_ptr(), None, window or 0, heads, group,
-                                    dim, cache.block_size, scale)
+    starts = None if starts is None else starts.to(torch.int64).contiguous()
+    layer = abi.TurboQuantAttention(keys, values, to_keys.data_ptr(), back.data_ptr(), None,
+                                    None if starts is None else starts.data_ptr(), window or 0, heads, group, dim,
+                                    cache.block_size, scale)
     if recent is not None:
         k, v = k.to(recent.k.dtype).contiguous(), v.to(recent.v.dtype).contiguous()
         key_mean = cache.key_mean.contiguous()
         layer.dense = ctypes.pointer(abi.DenseTokens(
             recent.staging_of.data_ptr(), recent.k.data_ptr(), recent.v.data_ptr(), k.data_ptr(), v.data_ptr(),
             key_mean.data_ptr(), recent.tokens, recent.sinks, int(recent.k.dtype == torch.bfloat16)))
-    status = lib.turboquant_decode_attention(layer, decode_batch(batch, tables, lens), q.data_ptr(), out.data_ptr())
+    batch = decode_batch(len(lens), tables, lens)
+    status = lib.turboquant_paged_attention(layer, batch, q.data_ptr(), out.data_ptr())
     return out if status == 0 else None
 
 

@@ -63,8 +63,7 @@ def available_isas() -> tuple[str, ...]:
     """The builds this CPU can execute, the native one first."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ("native",)
-    flags = set(_cpuinfo("flags").split())
-    return ("native", *(("x86-64-v3",) if flags.issuperset(V3_FLAGS) else ()), "x86-64")
+    return ("native", *(("x86-64-v3",) if cpu_flags().issuperset(V3_FLAGS) else ()), "x86-64")
 
 
 def check_isa(isa: str) -> None:
@@ -120,6 +119,11 @@ def _text_with_includes(source: Path) -> bytes:
     """The source and, recursively, every local file it #includes (a kernel may include others)."""
     text = source.read_bytes()
     return text + b"".join(_text_with_includes(SOURCE_DIR / name.decode()) for name in re.findall(rb'#include "([^"]+)"', text))
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags, as /proc/cpuinfo names them (none where it cannot be read)."""
+    return frozenset(_cpuinfo("flags").partition(":")[2].split())
 
 
 @functools.cache

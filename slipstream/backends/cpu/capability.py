@@ -6,9 +6,8 @@ it a capability of another CPU and check what it would choose. Never decides a p
 """
 from __future__ import annotations
 
-import functools
+import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from slipstream.backends.cpu import abi, build
 
@@ -16,13 +15,12 @@ from slipstream.backends.cpu import abi, build
 NOTABLE_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma")
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+def usable_flags(flags: frozenset[str], onednn_max_isa: str) -> frozenset[str]:
+    """The flags the engine may use: oneDNN's ONEDNN_MAX_CPU_ISA (its cpu_isa names) capped below
+    AMX takes the AMX flags away from our kernels too, so that one variable makes an AMX CPU run
+    as one without it."""
+    isa = onednn_max_isa.upper()
+    return flags if isa in ("", "DEFAULT", "ALL") or "AMX" in isa else frozenset(f for f in flags if not f.startswith("amx"))
 
 
 @dataclass(frozen=True)
@@ -34,20 +32,17 @@ class CpuCapability:
 
     @classmethod
     def detect(cls) -> CpuCapability:
+        flags = usable_flags(build.cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA", "DEFAULT"))
         if not build.ENABLED:
-            return cls(cpu_flags(), None, build.ISA, "SLIPSTREAM_NATIVE=0")
+            return cls(flags, None, build.ISA, "SLIPSTREAM_NATIVE=0")
         kernels = abi.kernels()
         reason = "" if kernels is not None else f"they did not build with {build.COMPILER!r} (see the warning above)"
-        return cls(cpu_flags(), kernels, build.ISA, reason)
+        return cls(flags, kernels, build.ISA, reason)
 
     @property
     def amx(self) -> bool:
         """oneDNN's bf16 GEMMs run on AMX tiles (torch's own kernels, whatever ours are)."""
         return {"amx_bf16", "amx_tile"} <= self.flags
-
-    @property
-    def native_bf16(self) -> bool:
-        return "avx512_bf16" in self.flags or self.amx
 
     @property
     def gemm(self) -> bool:
@@ -57,7 +52,7 @@ class CpuCapability:
     @property
     def amx_kernels(self) -> bool:
         """kernels/gemm.c and moe_expert.c were built with AMX tiles and Linux lets this process use them."""
-        return self.kernels is not None and self.kernels.gemm_amx_available() == 1
+        return self.amx and self.kernels is not None and self.kernels.gemm_amx_available() == 1
 
     @property
     def moe_expert(self) -> bool:

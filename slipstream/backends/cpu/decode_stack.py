@@ -6,7 +6,8 @@ reading the layer's weights. A `DecodeStack` describes a model's layers to the C
 once (packed weights, norms, KV caches, shapes); each step then costs one call, with a
 description of the step (positions, slots, block tables) built once from its metadata.
 
-It serves steps where every token decodes (no prefill chunk), in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8
+It serves steps where every token decodes (no prefill chunk), up to the policy's bound on tokens,
+in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8
 or int4), no biases, no q/k norms, a SiLU MLP and a dense bf16 KV cache; anything else
 returns None and takes the torch path, which stays the reference this one is tested against.
 The GEMMs take the kernels the backend's GemmPolicy picks for the step's number of tokens.
@@ -97,8 +98,8 @@ def _dense_bf16(cache) -> bool:
 def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module, policy: GemmPolicy) -> abi.Step | None:
     """The step's shared C description when every row of x is a decode token, else None;
     built once per step and kept in the metadata's step cache."""
-    meta, tokens = get_metadata(), x.shape[0]
-    if (meta.prefills or meta.num_decodes != tokens or x.dtype != torch.bfloat16
+    meta, tokens, most = get_metadata(), x.shape[0], policy.decode_stack_max_tokens()
+    if (meta.prefills or meta.num_decodes != tokens or most is not None and tokens >= most or x.dtype != torch.bfloat16
             or x.device.type != "cpu" or not x.is_contiguous() or torch.is_grad_enabled()):
         return None
     key = "native decode step"

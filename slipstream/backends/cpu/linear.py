@@ -1,22 +1,31 @@
 """The CPU backend's linear methods: which GEMM serves how many rows, per weight format and CPU.
 
-Batch invariance comes first: a row's product must not depend on how many rows share the
-call, so every packed layer has one reduction order for every row count (`GemmPolicy`).
-Where kernels/gemm.c is built, a layer runs on its AVX-512 loops or AMX tiles at every size,
-never on a library GEMM that blocks K by M. AMX's bf16 dot products do not round as the
-AVX-512 FMAs do, so bf16 and int4 (whose AMX kernel widens codes to bf16) take the tiles at
-every row count where they tile the layer's K; int8 takes exact integer sums of 16-bit
-fixed-point activations on both, added to float32 in the same chunks, so the policy may
-switch between them by rows.
+Without AMX, measured on one core of the development machine (AVX512-BF16, no AMX), torch
+2.13, CPU time of one thread:
+- large batches (prefill chunks, big expert groups): oneDNN's bf16 GEMM runs at 71-77
+  GFLOP/s against ~125 for fp32, so batches of at least UPCAST_MIN_ROWS rows upcast to
+  fp32 for the multiply (1.3-1.75x faster at 128-1024 rows, same fp32 accumulation,
+  result returned in bf16);
+- small batches (decode) are bound by reading the weights, where bf16's half-size weights
+  win. `NativeBf16` packs a layer once for the native GEMM (kernels/gemm.c: bf16 weights
+  widened in registers, float32 FMAs), which beats oneDNN's packed bf16 kernel 1.5-2x at 1
+  row (it streams weights faster), 1.4-1.6x at 8-64 rows, and the fp32 upcast below
+  NATIVE_MAX_ROWS rows (measured crossover 256). Without it (no AVX-512, no compiler)
+  `OneDnnBf16` packs for oneDNN's own layout below UPCAST_MIN_ROWS, 1.2-1.8x faster than
+  `F.linear` on the plain weight at 1-16 rows. The plain weight stays for the upcast path.
 
-Measured on one core of the development machine (AVX512-BF16, no AMX), torch 2.13, CPU time
-of one thread, before invariance: oneDNN's bf16 GEMM runs at 71-77 GFLOP/s against ~125 for
-fp32 and the fp32 upcast beat the AVX-512 loops from 256 rows; the loops now serve those
-sizes too (the cost is in the README). Without the native GEMM (no AVX-512, no compiler)
-`OneDnnBf16` packs for oneDNN's own layout below UPCAST_MIN_ROWS, 1.2-1.8x faster than
-`F.linear` on the plain weight at 1-16 rows, and large batches upcast to fp32: that backend
-is not batch-invariant and says so. int8 and int4 codes (layers/quantization.py) get packed
-copies for the native kernels.
+With AMX, the tile kernels of kernels/gemm.c read the same packed weights from AMX_MIN_ROWS
+rows on, at every larger size. Large bf16 batches of shapes they cannot tile go to oneDNN,
+which uses AMX itself. int8 and int4 codes (layers/quantization.py) get packed copies for
+the same kernels; rows the policy gives no native kernel take PyTorch's.
+
+Batch invariance (`GemmPolicy(invariant=True)`): a row's product must not depend on how many
+rows share the call, so every packed layer keeps one reduction order at every row count, never
+a library GEMM or an fp32 upcast that blocks K by M. AMX's bf16 dot products do not round as
+the AVX-512 FMAs do, so bf16 and int4 (whose AMX kernel widens codes to bf16) take the tiles
+from one row; int8 takes exact integer sums of 16-bit fixed-point activations on both, added
+to float32 in the same chunks (never widened to bf16), so it may switch by rows. Without AMX
+the AVX-512 loops at 512 rows (107-120 GFLOP/s) beat the upcast (95-108), so it is free there.
 """
 from __future__ import annotations
 
@@ -28,31 +37,46 @@ from slipstream.layers.linear import Linear, LinearMethod
 from slipstream.layers.quantization import Int4, Int8
 
 UPCAST_MIN_ROWS = 128
+NATIVE_MAX_ROWS = 256
+INT8_WIDEN_MIN_ROWS = 128  # int8 on AMX: codes widened to bf16 tiles beat the integer tiles from here
 # From how many rows the AMX tile kernels beat the AVX-512 loops, per weight format, and the
 # multiple of K they tile. benchmarks/gemm.py on the AMX machine (1 thread, cold weights,
 # GFLOP/s AVX-512 / AMX) for SmolLM2's qkv, o, gate_up, down: bf16 at 4 rows 40/52, 37/32,
 # 40/49, 34/31 and at 8 rows 54/67, 53/62, 56/62, 48/63; int8 at 4 rows 53/75, 42/39, 59/73,
 # 47/39 and at 8 rows 81/135, 67/78, 79/78, 69/76; int4 at 8 rows 83/68, 61/60, 78/69, 63/56
 # and at 16 rows 91/147, 80/105, 97/122, 78/120. One row streams weights equally fast either way.
-# bf16 and int4 take the tiles from one row: their two kernels round differently (see above).
-AMX_MIN_ROWS = {"bf16": 1, "int8": 8, "int4": 1}
+AMX_MIN_ROWS = {"bf16": 8, "int8": 8, "int4": 16}
+INVARIANT_AMX_MIN_ROWS = {"bf16": 1, "int8": 8, "int4": 1}  # their AMX and AVX-512 sums round differently
 AMX_K_MULTIPLE = {"bf16": 32, "int8": 64, "int4": 32}
 
 
 class GemmPolicy:
-    """Which kernel of kernels/gemm.c multiplies how many rows, on a CPU with or without usable AMX tiles."""
+    """Which kernel of kernels/gemm.c multiplies how many rows, on a CPU with or without usable
+    AMX tiles; `invariant`: each row's product the same bits at any row count."""
 
-    def __init__(self, amx: bool):
-        self.amx = amx
+    def __init__(self, amx: bool, invariant: bool):
+        self.amx, self.invariant = amx, invariant
+        self.amx_min_rows = INVARIANT_AMX_MIN_ROWS if invariant else AMX_MIN_ROWS
 
-    def kernel(self, fmt: str, rows: int, k: int) -> str:
+    def kernel(self, fmt: str, rows: int, k: int) -> str | None:
         """For `rows` rows times a packed `fmt` weight ("bf16", "int8", "int4") of K input
-        features: "amx" or "avx512", each row's product the same bits at any row count."""
-        return "amx" if self.amx_serves(fmt, rows) and k % AMX_K_MULTIPLE[fmt] == 0 else "avx512"
+        features: "amx", "amx_widened" (int8 codes as bf16 tiles), "avx512", or None when a torch
+        path is faster (never when invariant)."""
+        if self.amx_serves(fmt, rows) and k % AMX_K_MULTIPLE[fmt] == 0:
+            widen = fmt == "int8" and not self.invariant and rows >= INT8_WIDEN_MIN_ROWS
+            return "amx_widened" if widen else "amx"
+        if self.invariant or rows < (NATIVE_MAX_ROWS if fmt == "bf16" else UPCAST_MIN_ROWS):
+            return "avx512"
+        return None
 
     def amx_serves(self, fmt: str, rows: int) -> bool:
         """Whether the AMX kernels take `rows` rows of `fmt` weights whose K they can tile."""
-        return self.amx and rows >= AMX_MIN_ROWS[fmt]
+        return self.amx and rows >= self.amx_min_rows[fmt]
+
+    def decode_stack_max_tokens(self) -> int | None:
+        """Decode batches from this many tokens leave the fused stack: without AMX the AVX-512
+        GEMMs lose to the fp32 upcast there, unless invariance keeps them (None: every size)."""
+        return None if self.amx or self.invariant else UPCAST_MIN_ROWS
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcast: bool) -> torch.Tensor:
@@ -92,20 +116,21 @@ class Upcast(LinearMethod):
 
 
 class NativeBf16(LinearMethod):
-    """bf16 weights packed for kernels/gemm.c; the plain weight stays for inputs of other dtypes."""
+    """bf16 weights packed for kernels/gemm.c; the plain weight stays for the rows it does not serve."""
 
     name = "native-bf16"
 
-    def __init__(self, policy: GemmPolicy):
-        self.policy = policy
+    def __init__(self, policy: GemmPolicy, upcast: bool):
+        self.policy, self.upcast = policy, upcast
 
     def create(self, layer: Linear) -> None:
         layer.register_buffer("packed", pack_columns(layer.weight.detach()))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:
-            return F.linear(x, layer.weight, layer.bias)
-        out = native_matmul(x, layer.packed, kernel=self.policy.kernel("bf16", x.shape[0], layer.in_features))
+        kernel = self.policy.kernel("bf16", x.shape[0], layer.in_features) if x.dtype == torch.bfloat16 else None
+        if kernel is None:
+            return dense_linear(x, layer.weight, layer.bias, self.upcast)
+        out = native_matmul(x, layer.packed, kernel=kernel)
         return out if layer.bias is None else out.add_(layer.bias)
 
     def fused_silu(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
@@ -136,8 +161,8 @@ class _NativeCodes:
         kernel = self._kernel(layer, x)
         if kernel is None:
             return None
-        if kernel == "amx" and layer.bias is None and layer.packed.shape[0] % 2 == 0:
-            return self.native_mm(layer, x, "amx", silu=True)
+        if kernel.startswith("amx") and layer.bias is None and layer.packed.shape[0] % 2 == 0:
+            return self.native_mm(layer, x, kernel, silu=True)
         return native_silu_and_mul(self.apply(layer, x))
 
     def _kernel(self, layer: Linear, x: torch.Tensor) -> str | None:
@@ -226,8 +251,8 @@ def pack_quads(codes: torch.Tensor) -> torch.Tensor:
 
 def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
                   low: torch.Tensor | None = None, kernel: str = "avx512", silu: bool = False) -> torch.Tensor:
-    """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512" or
-    "amx", see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8 codes with a float32
+    """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512", "amx"
+    or, for int8, "amx_widened": see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8 codes with a float32
     `scale` per output column (`pack_quads`), or 4-bit codes with `scale` and `low` per group
     and column (`NativeInt4._pack`). With `silu` (AMX only) the weight is a fused [gate; up]
     projection and the result silu(gate) * up, [M, N/2]."""
@@ -236,7 +261,7 @@ def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | N
     out = x.new_empty(x.shape[0], blocks * (8 if silu else 16))
     lib = abi.kernels()
     args = (out.data_ptr(), x.shape[0], blocks * 16, k, abi.threads())
-    suffix = ("_amx" if kernel == "amx" else "") + ("_silu" if silu else "")
+    suffix = ("" if kernel == "avx512" else "_" + kernel) + ("_silu" if silu else "")
     if packed.dtype == torch.bfloat16:
         status = getattr(lib, "gemm_bf16" + suffix)(x.data_ptr(), packed.data_ptr(), *args)
     elif low is None:

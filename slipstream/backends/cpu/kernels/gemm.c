@@ -382,12 +382,13 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
 //   give exact int32 sums, joined and added to float32 per chunk of K as `tile_int8` adds
 //   them, so the two give the same bits. Two sums per block of 16 x 16, so
 //   a block is 16 rows x 32 columns. The sums are `gemm_int8`'s to the bit, at every row count
-//   (batch invariance; widening the codes to bf16 tiles was 1.0-1.4x faster from 128 rows, but
-//   sums x in another precision).
-// - int4: a panel's codes are first widened into a per-thread buffer in the bf16 pair layout,
-//   then multiplied as bf16 with x as it is, as bf16 values q * scale + low (computed in
-//   float32 and rounded once: a relative error up to 2^-9 of each weight, under a tenth of its
-//   4-bit step). This is not `gemm_int4`'s arithmetic, so int4 takes these tiles at every row count.
+//   (batch invariance).
+// - int8 widened (`gemm_int8_amx_widened`), and int4: a panel's codes are first widened into a
+//   per-thread buffer in the bf16 pair layout, then multiplied as bf16 with x as it is: int8
+//   codes exactly (the column scale applied at the end), int4 as bf16 values q * scale + low
+//   (computed in float32 and rounded once: a relative error up to 2^-9 of each weight, under a
+//   tenth of its 4-bit step). Neither is the AVX-512 loops' arithmetic, so the batch-invariant
+//   policy takes int4's tiles at every row count and never the widened int8 ones.
 // Each has a `_silu` form for a fused gate/up projection, W = [gate; up] of 2I rows: a panel
 // pairs gate block j with up block j + I/16, and the epilogue writes silu(gate) * up into y
 // [M][I], rounded as `silu_and_mul_bf16` rounds the unfused projection's output.
@@ -599,6 +600,27 @@ static int gemm_int8_split(const uint16_t *x, const int8_t *w_packed, const floa
     return 0;
 }
 
+// Codes of one 16-column block widened to bf16 pairs [k/2][16][2] for the bf16 tiles.
+typedef struct {
+    const void *w;
+    const float *scale, *low;  // int4: per group and column; int8: NULL (exact codes)
+} Codes;
+
+// int8: quads [k/4][16][4] (k0 k2 k1 k3) -> the exact codes as bf16 pairs.
+static void widen_int8_block(const int8_t *w, int64_t k, uint16_t *out) {
+    for (int64_t q = 0; q < k / 4; q++) {
+        __m512i quads = _mm512_loadu_si512(w + q * 64);
+        __m512i pairs[2] = {_mm512_srai_epi16(_mm512_slli_epi16(quads, 8), 8), _mm512_srai_epi16(quads, 8)};
+        for (int h = 0; h < 2; h++) {  // each dword: two int16 codes, exact in float32 and in bf16
+            __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs[h], 16), 16));
+            __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs[h], 16));
+            __m512i bits = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                                     _mm512_castps_si512(odd), _mm512_set1_epi32((int)0xFFFF0000), 0xF8);
+            _mm512_storeu_si512(out + (2 * q + h) * 32, bits);  // 0xF8: a | (b & c)
+        }
+    }
+}
+
 // int4: codes [k/8][16][4 bytes], scale and low [k/32][16] -> bf16 pairs of q * scale + low.
 static void widen_int4_block(const uint8_t *w, const float *scale, const float *low, int64_t k, uint16_t *out) {
     static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
@@ -619,13 +641,19 @@ static void widen_int4_block(const uint8_t *w, const float *scale, const float *
     }
 }
 
-// int4 through a widened panel per thread: codes -> bf16 weights, then the bf16 tiles.
-static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low,
-                           uint16_t *y, int64_t m, int64_t n, int64_t k, int threads, int silu) {
-    if (n % (silu ? 32 : 16) || k % GROUP || !amx_ready()) return -1;
+static void widen_block(const Codes *c, int64_t b, int64_t k, uint16_t *out) {
+    if (c->low)
+        widen_int4_block((const uint8_t *)c->w + b * 8 * k, c->scale + b * 16 * (k / GROUP), c->low + b * 16 * (k / GROUP),
+                         k, out);
+    else
+        widen_int8_block((const int8_t *)c->w + b * 16 * k, k, out);
+}
+
+// int8 (scale per column applied at the end) or int4, through a widened panel per thread.
+static int gemm_widened(const uint16_t *x, const Codes *codes, const float *column_scale, uint16_t *y, int64_t m,
+                        int64_t n, int64_t k, int threads, int silu) {
     int failed = 0;
-    int64_t blocks = output_blocks(n, silu), width = silu ? n / 2 : n, groups = k / GROUP;
-    Epilogue e = {NULL, silu};
+    int64_t blocks = output_blocks(n, silu), width = silu ? n / 2 : n;
 #pragma omp parallel num_threads(threads)
     {
         uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * 32 * k);
@@ -634,11 +662,16 @@ static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, const flo
         thread_blocks(blocks, &begin, &end);
         for (int64_t b = begin; panel && b < end; b += silu ? 1 : 2) {
             Panel p = panel_at(b, end, silu, blocks);
-            widen_int4_block(w_packed + p.first * 8 * k, scale + p.first * 16 * groups, low + p.first * 16 * groups, k,
-                             panel);
-            if (p.cols == 2)
-                widen_int4_block(w_packed + p.second * 8 * k, scale + p.second * 16 * groups,
-                                 low + p.second * 16 * groups, k, panel + 16 * k);
+            widen_block(codes, p.first, k, panel);
+            if (p.cols == 2) widen_block(codes, p.second, k, panel + 16 * k);
+            float scaled[32];  // the panel's two blocks' column scales (silu: gate's and up's)
+            const float *scale = NULL;
+            if (column_scale) {
+                memcpy(scaled, column_scale + 16 * p.first, 16 * sizeof(float));
+                memcpy(scaled + 16, column_scale + 16 * p.second, 16 * sizeof(float));
+                scale = scaled;
+            }
+            Epilogue e = {scale, silu};
             amx_bf16_panel(x, m, k, panel, panel + 16 * k, p.cols, &e, y + p.out, width, &config);
         }
         if (!panel) {
@@ -649,6 +682,33 @@ static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, const flo
         free(panel);
     }
     return failed ? -1 : 0;
+}
+
+static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low,
+                           uint16_t *y, int64_t m, int64_t n, int64_t k, int threads, int silu) {
+    if (n % (silu ? 32 : 16) || k % GROUP || !amx_ready()) return -1;
+    Codes codes = {w_packed, scale, low};
+    return gemm_widened(x, &codes, NULL, y, m, n, k, threads, silu);
+}
+
+// int8 codes widened to bf16 tiles, the column scale applied at the end: 1.0-1.4x the integer
+// tiles from 128 rows, but a row's sums then depend on the kernel its row count picked, so the
+// batch-invariant policy never takes it.
+static int gemm_int8_widened(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                             int64_t n, int64_t k, int threads, int silu) {
+    if (n % (silu ? 32 : 16) || k % 64 || !amx_ready()) return -1;
+    Codes codes = {w_packed, NULL, NULL};
+    return gemm_widened(x, &codes, scale, y, m, n, k, threads, silu);
+}
+
+int gemm_int8_amx_widened(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                          int64_t n, int64_t k, int threads) {
+    return gemm_int8_widened(x, w_packed, scale, y, m, n, k, threads, 0);
+}
+
+int gemm_int8_amx_widened_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                               int64_t n, int64_t k, int threads) {
+    return gemm_int8_widened(x, w_packed, scale, y, m, n, k, threads, 1);
 }
 
 static int gemm_int8_tiles(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
@@ -734,6 +794,16 @@ int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y,
 
 int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
                        int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int8_amx_widened(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                          int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int8_amx_widened_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                               int64_t n, int64_t k, int threads) {
     return -1;
 }
 

@@ -1,4 +1,4 @@
-// Decode attention over a paged TurboQuant cache, reading the packed codes: one query token per sequence.
+// Paged attention over a TurboQuant cache, reading the packed codes: any number of query rows per sequence.
 //
 // Cache layout (kvcache/turboquant_cache.py): [num_blocks, block_size, kv_heads, nbytes] uint8, one row per
 // (token, KV head). A row is a few pieces (kvcache/turboquant.py, TurboQuantizer.row_layout): `count` codes of
@@ -6,13 +6,19 @@
 // gamma fp16 in the row. Queries are rotated into that code space, so a key's score is a sum over pieces of
 // scale * <q piece, value[codes]>, and the output is a weighted sum of code-space value rows, rotated back.
 //
-// As in paged_attention.c, each (sequence, KV head) pair is one task: it rotates its G query heads into code
-// space, walks the sequence's own blocks once with an online softmax in float32, and rotates the G sums back.
-// Each code row is decoded once per task, VW codes per step (a byte permute, a variable shift and an
-// in-register table lookup), and shared by the G query heads; nothing is gathered, padded or dequantized to
-// the original space. With the recent/sink window, the tokens read in 16 bits join the same softmax.
+// As in paged_attention.c, a sequence with one query row (decode) is one task per KV head: it rotates its G
+// query heads into code space, walks the sequence's own blocks once with an online softmax in float32, and
+// rotates the G sums back. Each code row is decoded once per task, VW codes per step (a byte permute, a variable
+// shift and an in-register table lookup), and shared by the G query heads; nothing is gathered, padded or
+// dequantized to the original space. A sequence with several rows (a prefill chunk over a cached prefix, or
+// tokens to verify) is split into tiles of up to MAX_VECTORS query vectors (rows x heads), each a task that
+// walks the blocks once: a decoded row is scored against every vector of the tile at once (the vectors are the
+// SIMD lanes: a small matrix product per token, no horizontal sums), each query row causal over the chunk's own
+// tokens (written to the cache before attention) and within its own sliding window. With the recent/sink window,
+// the tokens read in 16 bits join the same softmax (attention/turboquant.py decides which, per query).
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -24,6 +30,7 @@
 #define MAX_WIDTH 512  // code-space width: head_dim, or 2 * head_dim for QJL keys
 #define MAX_BLOCK 64
 #define MAX_PIECES 4
+#define MAX_VECTORS 32 // query vectors (rows x group) of a tile: a multiple of VW, the lanes of its scores
 #define ROW_SLACK 16   // bytes a decoder may read past a row's end (the AVX-512 path's 16-byte load)
 
 // K or V codes: the cache [num_blocks, block_size, kv_heads, bytes] uint8 and its row layout
@@ -37,7 +44,7 @@ typedef struct {
 } CodeRows;
 
 // The recent/sink window's 16-bit tokens (kvcache/recent_window.py): per physical block its staging block
-// or -1, the staged K/V [staging blocks, block_size, heads, dim] and the step's own K/V [batch, heads, dim],
+// or -1, the staged K/V [staging blocks, block_size, heads, dim] and the step's own K/V [query rows, heads, dim],
 // both bf16 (bf16 = 1) or float32; codes hold k - key_mean ([heads, dim]), so 16-bit keys are read as k - mean.
 typedef struct {
     const int64_t *staging_of;
@@ -54,6 +61,7 @@ typedef struct {
     CodeRows keys, values;
     const float *to_keys, *back;
     const DenseTokens *dense;  // NULL: every token is read from its codes
+    const int64_t *query_start;  // NULL: one query row per sequence, else [batch + 1]: sequence b's rows in q
     int64_t window;            // > 0 limits each query to its last `window` tokens (sliding-window layers)
     int32_t kv_heads, group, dim, block_size;
     float scale;
@@ -279,9 +287,10 @@ static inline int read_dense(const Step *st, const int64_t *table, int64_t t, in
            (t == query || st->staging_of[table[t / st->block_size]] >= 0);
 }
 
-// One (sequence b, KV head h): q [group][k_width] in key code space, q_channels [group][dim] as given.
+// One (sequence, KV head h) of a single query row: q [group][k_width] in key code space, q_channels [group][dim] as
+// given, `own` the row of the query's own token in DenseTokens' own_k/own_v.
 // Writes the normalised sums: in value code space to sums [group][v_width], of 16-bit tokens to dense [group][dim].
-static inline __attribute__((always_inline)) void attend_one(const Step *st, int group, int b, int h,
+static inline __attribute__((always_inline)) void attend_one(const Step *st, int group, int64_t own, int h,
                                                              const float *q, const float *q_channels,
                                                              const int64_t *table, int64_t start, int64_t end,
                                                              float *sums, float *dense) {
@@ -320,7 +329,7 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
             int64_t pos = first + t;
             if (!read_dense(st, table, pos, end - 1)) continue;
             const void *k_base = st->own_k;
-            int64_t index = (int64_t)b * st->heads + h;
+            int64_t index = own * st->heads + h;
             dense_v[nd] = st->own_v;
             if (pos != end - 1) {
                 index = (st->staging_of[table[pos / bs]] * bs + t) * st->heads + h;
@@ -364,23 +373,223 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
     }
 }
 
-typedef void AttendFn(const Step *, int, int, const float *, const float *, const int64_t *, int64_t, int64_t,
+typedef void AttendFn(const Step *, int64_t, int, const float *, const float *, const int64_t *, int64_t, int64_t,
                       float *, float *);
 
 // One copy per common group size (GQA 3 of SmolLM2, MQA 4 of Gemma 3, ...) with `group` a constant; one generic.
 #define ATTEND_FOR(G)                                                                                             \
-    static void attend_##G(const Step *st, int b, int h, const float *q, const float *q_channels,                  \
+    static void attend_##G(const Step *st, int64_t own, int h, const float *q, const float *q_channels,            \
                            const int64_t *table, int64_t start, int64_t end, float *sums, float *dense) {         \
-        attend_one(st, G, b, h, q, q_channels, table, start, end, sums, dense);                                   \
+        attend_one(st, G, own, h, q, q_channels, table, start, end, sums, dense);                                 \
     }
 ATTEND_FOR(1)
 ATTEND_FOR(2)
 ATTEND_FOR(3)
 ATTEND_FOR(4)
 
-static void attend_group(const Step *st, int b, int h, const float *q, const float *q_channels, const int64_t *table,
-                         int64_t start, int64_t end, float *sums, float *dense) {
-    attend_one(st, st->group, b, h, q, q_channels, table, start, end, sums, dense);
+static void attend_group(const Step *st, int64_t own, int h, const float *q, const float *q_channels,
+                         const int64_t *table, int64_t start, int64_t end, float *sums, float *dense) {
+    attend_one(st, st->group, own, h, q, q_channels, table, start, end, sums, dense);
+}
+
+// A tile's query vectors (rows x group heads, row-major) against KV head h: each vector's position and first
+// visible token (qpos -1: padding, which sees nothing and whose sums are never read).
+typedef struct {
+    int h;
+    const int64_t *table;
+    int64_t qpos[MAX_VECTORS], from[MAX_VECTORS];
+    int64_t own_from, own_row;  // tokens from position own_from on are the step's own, own_from's in row own_row
+} Tile;
+
+// A code row decoded to floats in code space, each piece times its scale and `scale`.
+static inline void decode_row(const Layout *l, const uint8_t *row, float scale, float *dst) {
+    for (int p = 0, at = 0; p < l->count; at += l->pieces[p].count, p++) {
+        const Piece *piece = &l->pieces[p];
+        const uint8_t *src = row + piece->offset;
+        vec s = vsplat(piece_scale(piece, row) * scale);
+        for (int i = 0; i < piece->count; i += VW, src += piece->bits * VW / 8)
+            vstore(dst + at + i, vfma(s, decode(&piece->decoder, piece->bits, src), vzero()));
+    }
+}
+
+// s[v] = <x, q_t[:, v]> for every vector of a tile, q_t [width][MAX_VECTORS]: the vectors are the lanes. SETS
+// partial sums over interleaved coordinates keep 8 independent FMA chains in flight (and shorten each sum).
+#define LANES (MAX_VECTORS / VW)
+#define SETS (8 / LANES)
+static inline void score_vectors(const float *x, const float *q_t, int width, float *s) {
+    vec acc[SETS][LANES];
+    for (int k = 0; k < SETS; k++)
+        for (int j = 0; j < LANES; j++) acc[k][j] = vzero();
+    for (int i = 0; i < width; i += SETS)  // width: a multiple of VW
+        for (int k = 0; k < SETS; k++) {
+            vec xi = vsplat(x[i + k]);
+            for (int j = 0; j < LANES; j++)
+                acc[k][j] = vfma(xi, vload(q_t + (i + k) * MAX_VECTORS + j * VW), acc[k][j]);
+        }
+    for (int j = 0; j < LANES; j++) {
+        vec sum = acc[0][j];
+        for (int k = 1; k < SETS; k++) sum = vfma(acc[k][j], vsplat(1.f), sum);
+        vstore(s + j * VW, sum);
+    }
+}
+
+// acc[v] += sum over the n rows [n][width] of p[r][v] * row r, for every vector; eight accumulators in registers.
+static inline void accumulate_vectors(const float *rows, int n, int width, float p[][MAX_VECTORS], float *acc) {
+    for (int v = 0; v < MAX_VECTORS; v += 8)
+        for (int i = 0; i < width; i += VW) {
+            vec sum[8];
+            for (int j = 0; j < 8; j++) sum[j] = vload(acc + (v + j) * width + i);
+            for (int r = 0; r < n; r++) {
+                vec x = vload(rows + r * width + i);
+                for (int j = 0; j < 8; j++) sum[j] = vfma(vsplat(p[r][v + j]), x, sum[j]);
+            }
+            for (int j = 0; j < 8; j++) vstore(acc + (v + j) * width + i, sum[j]);
+        }
+}
+
+// How vector v reads token t: 0 not at all, 1 from its codes, 2 in 16 bits (read_dense's rule, per query);
+// dense_ok: t is staged or one of the step's own tokens.
+static inline int token_kind(const Step *st, const Tile *tile, int v, int64_t t, int dense_ok) {
+    if (t > tile->qpos[v] || t < tile->from[v]) return 0;
+    return dense_ok && (t > tile->qpos[v] - st->recent || t < st->sinks) ? 2 : 1;
+}
+
+// Scores of one 16-bit token for the vectors that read it so (kind 2; -inf for the rest); returns its V row.
+static inline int64_t score_dense(const Step *st, const Tile *tile, int64_t pos, const unsigned char *kind,
+                                  const float *q_channels, const float *mean_score, float *row, float *s,
+                                  const void **v_base) {
+    int64_t index = (tile->own_row + pos - tile->own_from) * st->heads + tile->h;
+    const void *k_base = st->own_k;
+    *v_base = st->own_v;
+    if (pos < tile->own_from) {
+        index = (st->staging_of[tile->table[pos / st->block_size]] * st->block_size + pos % st->block_size)
+                * st->heads + tile->h;
+        k_base = st->staged_k;
+        *v_base = st->staged_v;
+    }
+    load_row(k_base, index, st->dim, st->bf16, row);
+    for (int v = 0; v < MAX_VECTORS; v++) {
+        float dot = 0.f;
+        for (int d = 0; kind[v] == 2 && d < st->dim; d++) dot += q_channels[v * st->dim + d] * row[d];
+        s[v] = kind[v] == 2 ? (dot - mean_score[v]) * st->scale : -INFINITY;
+    }
+    return index;
+}
+
+// The online-softmax step of a block for every vector: its `rows` scores become weights; `correction` is what the
+// sums so far are to be multiplied by.
+static inline void softmax_block(float s[][MAX_VECTORS], int rows, float *m, float *l, float *correction) {
+    float top[MAX_VECTORS], sum[MAX_VECTORS];
+    for (int v = 0; v < MAX_VECTORS; v++) top[v] = m[v], sum[v] = 0.f;
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < MAX_VECTORS; v++) top[v] = s[r][v] > top[v] ? s[r][v] : top[v];
+    for (int v = 0; v < MAX_VECTORS; v++) {
+        float base = top[v] == -INFINITY ? 0.f : top[v];  // nothing seen yet: every weight stays 0
+        correction[v] = exp_nonpositive(m[v] - base);
+        m[v] = top[v];
+        top[v] = base;
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < MAX_VECTORS; v++) {
+            s[r][v] = exp_nonpositive(s[r][v] - top[v]);
+            sum[v] += s[r][v];
+        }
+    for (int v = 0; v < MAX_VECTORS; v++) l[v] = l[v] * correction[v] + sum[v];
+}
+
+// A tile's first and last token, and whether a block's tokens [lo, hi] are read from their codes by every
+// vector (no masks to apply).
+typedef struct {
+    int64_t start, end, latest_from, earliest_query;
+} Span;
+
+static Span tile_span(const Tile *tile) {
+    Span span = {INT64_MAX, 0, 0, INT64_MAX};
+    for (int v = 0; v < MAX_VECTORS; v++) {
+        if (tile->qpos[v] < 0) continue;
+        span.start = tile->from[v] < span.start ? tile->from[v] : span.start;
+        span.end = tile->qpos[v] + 1 > span.end ? tile->qpos[v] + 1 : span.end;
+        span.latest_from = tile->from[v] > span.latest_from ? tile->from[v] : span.latest_from;
+        span.earliest_query = tile->qpos[v] < span.earliest_query ? tile->qpos[v] : span.earliest_query;
+    }
+    return span;
+}
+
+static inline int all_codes(const Step *st, const Span *span, int64_t lo, int64_t hi) {
+    int64_t last = hi - 1 + (st->staging_of ? st->recent : 0);
+    return lo >= span->latest_from && last <= span->earliest_query && (!st->staging_of || lo >= st->sinks);
+}
+
+// One tile: q [MAX_VECTORS][k_width] in key code space, q_channels [MAX_VECTORS][dim] as given. Writes the
+// normalised sums: in value code space to sums [MAX_VECTORS][v_width], of 16-bit tokens to dense [MAX_VECTORS][dim].
+static void attend_tile(const Step *st, const Tile *tile, const float *q, const float *q_channels, float *sums,
+                        float *dense) {
+    const Layout *kl = &st->keys, *vl = &st->values;
+    int width = vl->width, dim = st->dim, bs = st->block_size;
+    int64_t k_stride = (int64_t)st->heads * kl->bytes, v_stride = (int64_t)st->heads * vl->bytes;
+    const uint8_t *k_head = st->k + (int64_t)tile->h * kl->bytes, *v_head = st->v + (int64_t)tile->h * vl->bytes;
+    float q_t[MAX_WIDTH * MAX_VECTORS], acc[MAX_VECTORS * MAX_WIDTH / 2], values[MAX_BLOCK * MAX_WIDTH / 2];
+    float m[MAX_VECTORS], l[MAX_VECTORS], mean_score[MAX_VECTORS], correction[MAX_VECTORS], row[MAX_WIDTH];
+    float s[2 * MAX_BLOCK][MAX_VECTORS];
+    unsigned char kind[MAX_BLOCK][MAX_VECTORS];
+    const void *dense_v[MAX_BLOCK];
+    int64_t dense_row[MAX_BLOCK];
+    for (int i = 0; i < kl->width; i++)
+        for (int v = 0; v < MAX_VECTORS; v++) q_t[i * MAX_VECTORS + v] = q[v * kl->width + i];
+    memset(acc, 0, sizeof(float) * MAX_VECTORS * width);
+    memset(dense, 0, sizeof(float) * MAX_VECTORS * dim);
+    for (int v = 0; v < MAX_VECTORS; v++) {
+        m[v] = -INFINITY;
+        l[v] = mean_score[v] = 0.f;
+        for (int d = 0; st->staging_of && d < dim; d++)
+            mean_score[v] += q_channels[v * dim + d] * st->key_mean[(int64_t)tile->h * dim + d];
+    }
+    Span span = tile_span(tile);
+    for (int64_t first = span.start - span.start % bs; first < span.end; first += bs) {
+        int64_t slot0 = tile->table[first / bs] * bs;
+        int lo = first < span.start ? (int)(span.start - first) : 0;
+        int hi = span.end - first < bs ? (int)(span.end - first) : bs;
+        int easy = all_codes(st, &span, first + lo, first + hi), n = 0, nd = 0;
+        for (int t = lo; t < hi && !easy; t++) {
+            int64_t pos = first + t;
+            int dense_ok = st->staging_of && (pos >= tile->own_from || st->staging_of[tile->table[first / bs]] >= 0);
+            for (int v = 0; v < MAX_VECTORS; v++) kind[t][v] = (unsigned char)token_kind(st, tile, v, pos, dense_ok);
+        }
+        for (int t = lo; t < hi; t++) {  // tokens some vector reads from codes
+            int any = easy;
+            for (int v = 0; v < MAX_VECTORS && !any; v++) any = kind[t][v] == 1;
+            if (!any) continue;
+            decode_row(kl, k_head + (slot0 + t) * k_stride, st->scale, row);
+            score_vectors(row, q_t, kl->width, s[n]);
+            for (int v = 0; v < MAX_VECTORS && !easy; v++) s[n][v] = kind[t][v] == 1 ? s[n][v] : -INFINITY;
+            decode_row(vl, v_head + (slot0 + t) * v_stride, 1.f, values + n * width);
+            n++;
+        }
+        for (int t = lo; t < hi && !easy; t++) {  // tokens some vector reads in 16 bits
+            int any = 0;
+            for (int v = 0; v < MAX_VECTORS && !any; v++) any = kind[t][v] == 2;
+            if (any)
+                dense_row[nd] = score_dense(st, tile, first + t, kind[t], q_channels, mean_score, row, s[n + nd],
+                                            &dense_v[nd]), nd++;
+        }
+        if (!n && !nd) continue;
+        softmax_block(s, n + nd, m, l, correction);
+        for (int v = 0; v < MAX_VECTORS; v++) {
+            for (int d = 0; correction[v] != 1.f && d < width; d++) acc[v * width + d] *= correction[v];
+            for (int d = 0; correction[v] != 1.f && d < dim; d++) dense[v * dim + d] *= correction[v];
+        }
+        accumulate_vectors(values, n, width, s, acc);
+        for (int r = 0; r < nd; r++) {
+            load_row(dense_v[r], dense_row[r], dim, st->bf16, row);
+            for (int v = 0; v < MAX_VECTORS; v++)
+                for (int d = 0; s[n + r][v] != 0.f && d < dim; d++) dense[v * dim + d] += s[n + r][v] * row[d];
+        }
+    }
+    for (int v = 0; v < MAX_VECTORS; v++) {
+        float inv = l[v] > 0.f ? 1.f / l[v] : 0.f;
+        for (int d = 0; d < width; d++) sums[v * width + d] = acc[v * width + d] * inv;
+        for (int d = 0; d < dim; d++) dense[v * dim + d] *= inv;
+    }
 }
 
 static int make_layout(Layout *layout, const int32_t *ints, const float *floats, int count, int width, int bytes) {
@@ -404,19 +613,71 @@ static int make_layout(Layout *layout, const int32_t *ints, const float *floats,
     return total == width ? 0 : -1;
 }
 
-// c [m x p] = a [m x n] @ b [n x p], row-major.
+// c [m x p] = a [m x n] @ b [n x p], row-major: 4 * VW columns at a time summed in registers (a tile rotates 32
+// query vectors in and out per KV head), any columns left one by one.
 static void matmul(const float *a, const float *b, int m, int n, int p, float *c) {
     for (int i = 0; i < m; i++) {
+        const float *x = a + (int64_t)i * n;
         float *row = c + (int64_t)i * p;
-        memset(row, 0, sizeof(float) * p);
-        for (int k = 0; k < n; k++)
-            for (int j = 0; j < p; j++) row[j] += a[(int64_t)i * n + k] * b[(int64_t)k * p + j];
+        int j = 0;
+        for (; j + 4 * VW <= p; j += 4 * VW) {
+            vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
+            for (int k = 0; k < n; k++)
+                for (int u = 0; u < 4; u++) acc[u] = vfma(vsplat(x[k]), vload(b + (int64_t)k * p + j + u * VW), acc[u]);
+            for (int u = 0; u < 4; u++) vstore(row + j + u * VW, acc[u]);
+        }
+        for (; j < p; j++) {
+            float sum = 0.f;
+            for (int k = 0; k < n; k++) sum += x[k] * b[(int64_t)k * p + j];
+            row[j] = sum;
+        }
     }
 }
 
-// q, out: [batch, kv_heads, group, dim] float32. Returns 0, or -1 when a shape or layout is beyond this kernel
-// (caller falls back).
-int turboquant_decode_attention(const TurboQuantAttention *a, const DecodeBatch *batch, const float *q, float *out) {
+// One sequence's query rows: its block table, its length after this step, its number of rows and the first's row
+// in q (and in DenseTokens' own_k/own_v).
+typedef struct {
+    const int64_t *table;
+    int64_t end, rows, row0;
+} Sequence;
+
+// Rows [first, first + count) of a sequence against KV head h: one query row on the per-group path, several as a
+// tile. q, out: [rows, kv_heads, group, dim].
+static void attend_rows(const TurboQuantAttention *a, const Step *st, AttendFn *attend, const Sequence *seq,
+                        int64_t first, int count, int h, const float *q, float *out) {
+    int group = a->group, dim = a->dim, k_width = a->keys.width, v_width = a->values.width;
+    float rotated[MAX_VECTORS * MAX_WIDTH], channels[MAX_VECTORS * MAX_WIDTH / 2];
+    float sums[MAX_VECTORS * MAX_WIDTH / 2], dense[MAX_VECTORS * MAX_WIDTH / 2];
+    for (int r = 0; r < count; r++) {
+        const float *row = q + ((seq->row0 + first + r) * a->kv_heads + h) * group * dim;
+        matmul(row, a->to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated + r * group * k_width);
+        memcpy(channels + r * group * dim, row, sizeof(float) * group * dim);
+    }
+    if (seq->rows == 1) {
+        int64_t start = a->window > 0 && seq->end > a->window ? seq->end - a->window : 0;
+        attend(st, seq->row0, h, rotated, channels, seq->table, start, seq->end, sums, dense);
+    } else {
+        Tile tile = {.h = h, .table = seq->table, .own_from = seq->end - seq->rows, .own_row = seq->row0};
+        int n = count * group;  // padding vectors: zero queries
+        memset(rotated + n * k_width, 0, sizeof(float) * (MAX_VECTORS - n) * k_width);
+        memset(channels + n * dim, 0, sizeof(float) * (MAX_VECTORS - n) * dim);
+        for (int v = 0; v < MAX_VECTORS; v++) {
+            int64_t pos = v < n ? tile.own_from + first + v / group : -1;
+            tile.qpos[v] = pos;
+            tile.from[v] = a->window > 0 && pos >= a->window ? pos - a->window + 1 : 0;
+        }
+        attend_tile(st, &tile, rotated, channels, sums, dense);
+    }
+    for (int r = 0; r < count; r++) {
+        float *row = out + ((seq->row0 + first + r) * a->kv_heads + h) * group * dim;
+        matmul(sums + r * group * v_width, a->back + (int64_t)h * v_width * dim, group, v_width, dim, row);
+        for (int i = 0; i < group * dim; i++) row[i] += dense[r * group * dim + i];
+    }
+}
+
+// q, out: [query rows, kv_heads, group, dim] float32, each sequence's rows in order (a->query_start; NULL: one
+// each). Returns 0, or -1 when a shape or layout is beyond this kernel (caller falls back).
+int turboquant_paged_attention(const TurboQuantAttention *a, const DecodeBatch *batch, const float *q, float *out) {
     const DenseTokens none = {0}, *tokens = a->dense ? a->dense : &none;
     Step st = {.k = a->keys.cache, .v = a->values.cache, .heads = a->kv_heads, .group = a->group, .dim = a->dim,
                .block_size = a->block_size, .scale = a->scale, .staging_of = tokens->staging_of,
@@ -427,27 +688,32 @@ int turboquant_decode_attention(const TurboQuantAttention *a, const DecodeBatch 
     if (make_layout(&st.keys, k->pieces, k->values, k->count, k->width, k->bytes) ||
         make_layout(&st.values, v->pieces, v->values, v->count, v->width, v->bytes))
         return -1;
-    int group = a->group, kv_heads = a->kv_heads, dim = a->dim, k_width = k->width, v_width = v->width;
-    if (group > MAX_GROUP || k_width > MAX_WIDTH || v_width > MAX_WIDTH / 2 || dim > MAX_WIDTH / 2 ||
+    int group = a->group, kv_heads = a->kv_heads;
+    if (group > MAX_GROUP || k->width > MAX_WIDTH || v->width > MAX_WIDTH / 2 || a->dim > MAX_WIDTH / 2 ||
         a->block_size > MAX_BLOCK)
         return -1;
     AttendFn *const specialised[] = {attend_group, attend_1, attend_2, attend_3, attend_4};
     AttendFn *attend = specialised[group <= 4 ? group : 0];
-    int64_t window = a->window;
-    int max_blocks = batch->max_blocks;
-    const int64_t *block_tables = batch->block_tables, *context_lens = batch->context_lens;
+    const int64_t *starts = a->query_start;
+    int per_tile = MAX_VECTORS / group;
+    int64_t tiles = 0;
+    for (int64_t b = 0; b < batch->batch; b++)
+        tiles += starts ? (starts[b + 1] - starts[b] + per_tile - 1) / per_tile : 1;
+    int64_t (*task)[2] = malloc(sizeof(*task) * (tiles ? tiles : 1));  // (sequence, first row) of each tile
+    if (!task) return -1;
+    for (int64_t b = 0, i = 0; b < batch->batch; b++)
+        for (int64_t first = 0; first < (starts ? starts[b + 1] - starts[b] : 1); first += per_tile, i++)
+            task[i][0] = b, task[i][1] = first;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(batch->threads)
-    for (int b = 0; b < (int)batch->batch; b++) {
+    for (int64_t i = 0; i < tiles; i++) {
         for (int h = 0; h < kv_heads; h++) {
-            float rotated[MAX_GROUP * MAX_WIDTH], sums[MAX_GROUP * MAX_WIDTH / 2], dense[MAX_GROUP * MAX_WIDTH / 2];
-            int64_t end = context_lens[b];
-            int64_t start = window > 0 && end > window ? end - window : 0;
-            int64_t row = ((int64_t)b * kv_heads + h) * group * dim;
-            matmul(q + row, a->to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated);
-            attend(&st, b, h, rotated, q + row, block_tables + (int64_t)b * max_blocks, start, end, sums, dense);
-            matmul(sums, a->back + (int64_t)h * v_width * dim, group, v_width, dim, out + row);
-            for (int i = 0; i < group * dim; i++) out[row + i] += dense[i];
+            int64_t b = task[i][0], rows = starts ? starts[b + 1] - starts[b] : 1;
+            Sequence seq = {batch->block_tables + b * batch->max_blocks, batch->context_lens[b], rows,
+                            starts ? starts[b] : b};
+            int count = rows - task[i][1] < per_tile ? (int)(rows - task[i][1]) : per_tile;
+            attend_rows(a, &st, attend, &seq, task[i][1], count, h, q, out);
         }
     }
+    free(task);
     return 0;
 }

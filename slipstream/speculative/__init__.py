@@ -1,0 +1,1 @@
+"""Speculative decoding: proposals of the next tokens that one target forward verifies."""

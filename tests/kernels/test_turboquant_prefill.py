@@ -1,0 +1,123 @@
+"""The native TurboQuant kernel (kernels/turboquant_attention.c) with several query rows per sequence, in every
+kernel build, against the torch code path (`turboquant._prefill`).
+
+Rows are causal within their chunk over the chunk's own tokens (written to the cache before
+attention), each within its own sliding window; ragged chunks in one call, shuffled block tables,
+query tiles split inside a chunk, and the 16-bit recent/sink window's edges. Tolerance as for
+decode (tests/kernels/test_turboquant_attention.py). Not against dequantize-then-attend as well:
+at these sizes the torch code path itself is up to 1e-5 from it (9.8e-6 measured, tq3-qjl).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.attention import turboquant
+from slipstream.attention.metadata import PrefillChunk
+from slipstream.backends.cpu.attention import _turboquant, turboquant_decode, turboquant_prefill
+from slipstream.backends.cpu.backend import CpuBackend
+from slipstream.backends.cpu.capability import CpuCapability
+from tests.conftest import step_metadata
+from tests.kernels.test_paged_attention import shuffled_block_tables
+from tests.kernels.test_turboquant_attention import DTYPES, TOL, _cache
+
+
+def _filled(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, block_size: int = 16, dim: int = 64):
+    """A cache whose every slot holds codes, over shuffled blocks; tables padded with 0."""
+    torch.manual_seed(0)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    cache = _cache(kv_dtype, kv_heads, num_heads, num_blocks, block_size, dim=dim)
+    every_slot = torch.arange(num_blocks * block_size)
+    cache.write(torch.randn(len(every_slot), kv_heads, dim) * 3 + 1, torch.randn(len(every_slot), kv_heads, dim),
+                every_slot)
+    return cache, shuffled_block_tables(lens, block_size, num_blocks)
+
+
+def _chunks(query_lens: list[int], lens: list[int], tables: torch.Tensor) -> list[PrefillChunk]:
+    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    return [PrefillChunk(s, n, c, tables[i, :-(-c // 16)]) for i, (s, n, c) in enumerate(zip(starts, query_lens, lens))]
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,kv_heads", [(9, 3), (4, 1), (6, 2)])  # GQA (SmolLM2), MQA (Gemma 3), group 3
+@pytest.mark.parametrize("window", [None, 20])
+def test_chunk_equals_the_torch_code_path(isa, kv_dtype, num_heads, kv_heads, window):
+    lens = [150]
+    cache, tables = _filled(kv_dtype, lens, num_heads, kv_heads)
+    chunk = _chunks([37], lens, tables)[0]  # 37 rows: several tiles, the last one partly padding
+    q, k, v = torch.randn(37, num_heads, 64), torch.randn(37, kv_heads, 64), torch.randn(37, kv_heads, 64)
+    ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill)
+    assert (ours - turboquant._prefill(q, k, v, cache, chunk, 0.125, window)).abs().max() < TOL
+
+
+@pytest.mark.parametrize("kv_dtype", ["tq3", "tq2.5", "tq4-qjl"])
+@pytest.mark.parametrize("dim,block_size", [(128, 16), (256, 8), (64, 4)])  # Gemma 3's head_dim 256; small blocks
+def test_chunk_with_larger_heads_and_other_blocks(isa, kv_dtype, dim, block_size):
+    """Float32 sums over more channels: at head_dim 256 the torch code path and dequantize-then-attend are
+    themselves up to 2.3e-5 apart (measured), so the bound grows with the head size."""
+    lens = [70]
+    cache, tables = _filled(kv_dtype, lens, 4, 1, block_size, dim)
+    chunk = PrefillChunk(0, 21, 70, tables[0])
+    q, k, v = torch.randn(21, 4, dim), torch.randn(21, 1, dim), torch.randn(21, 1, dim)
+    for window in (None, 9):
+        ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill)
+        assert (ours - turboquant._prefill(q, k, v, cache, chunk, 0.125, window)).abs().max() < TOL * dim / 64
+
+
+@pytest.mark.parametrize("num_heads,kv_heads", [(9, 3), (16, 2)])  # group 3; group 8 (generic, two rows a tile)
+def test_ragged_rows_of_several_sequences_in_one_call(isa, num_heads, kv_heads):
+    """Query rows [1, 5, 40, 13] over contexts [9, 100, 40, 250]: a decode row, short and long chunks, one without
+    a prefix, each sequence's rows against its own blocks."""
+    query_lens, lens = [1, 5, 40, 13], [9, 100, 40, 250]
+    cache, tables = _filled("tq3", lens, num_heads, kv_heads)
+    q = torch.randn(sum(query_lens), num_heads, 64)
+    starts = torch.tensor([0, 1, 6, 46, 59])
+    for window in (None, 30):
+        ours = _turboquant(q.view(len(q), kv_heads, -1, 64), None, None, cache, starts, tables,
+                           torch.tensor(lens), 0.125, window).reshape(q.shape)
+        for chunk in _chunks(query_lens, lens, tables):
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            want = turboquant._prefill(q[rows], None, None, cache, chunk, 0.125, window)
+            assert (ours[rows] - want).abs().max() < TOL
+
+
+def test_chunk_reads_only_its_blocks_and_rows(isa):
+    """A NaN norm in a block no table points to, or past the chunk's last token, must not reach any output."""
+    cache, tables = _filled("tq3", [40], 6, 2)
+    free = next(b for b in range(cache.k.shape[0]) if b not in set(tables.flatten().tolist()))
+    cache.k[free] = 0xFF  # every fp16 in these rows reads as NaN
+    cache.v[tables[0, 1], 40 - 16:] = 0xFF  # slots after the sequence's 40 tokens
+    out = turboquant_prefill(torch.randn(12, 2, 3, 64), None, None, cache, PrefillChunk(0, 12, 40, tables[0]),
+                             0.125, None)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0), (6, 5)])
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 12])
+def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window):
+    """A prefill in two chunks through the engine's staging rules; the second chunk reads staged prefix tokens and
+    its own near ones in 16 bits, the rest from codes, each row by its own position."""
+    g = torch.Generator().manual_seed(2)
+    block_size, kv_heads, num_heads, prefix, n = 4, 2, 6, 29, 19
+    cache = _cache("tq3", kv_heads, num_heads, 32, block_size, recent, sinks, dense_dtype)
+    table = torch.randperm(32)[:-(-(prefix + n) // block_size)]
+    slot = lambda pos: table[pos // block_size] * block_size + pos % block_size
+    randn = lambda *shape: torch.randn(*shape, generator=g)
+    meta = step_metadata([prefix], [prefix], table[None], slot(torch.arange(prefix)))
+    turboquant.paged_attention(randn(prefix, num_heads, 64), randn(prefix, kv_heads, 64) * 3 + 1,
+                               randn(prefix, kv_heads, 64), cache, meta, 0.125)
+    meta = step_metadata([n], [prefix + n], table[None], slot(torch.arange(prefix, prefix + n)))
+    q, k, v = randn(n, num_heads, 64), randn(n, kv_heads, 64) * 3 + 1, randn(n, kv_heads, 64)
+    cache.write(k, v, meta.slot_mapping)
+    turboquant._stage(cache.window, k, v, meta)
+    assert cache.window.exists(table).any()
+    chunk = meta.prefills[0]
+    ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill)
+    assert (ours - turboquant._prefill(q, k, v, cache, chunk, 0.125, window)).abs().max() < TOL
+
+
+def test_the_backend_routes_prefill_chunks_over_codes_to_the_kernel(isa):
+    cache, _ = _filled("tq3", [3], 4, 1)
+    bound = CpuBackend(CpuCapability.detect()).attention(cache)
+    assert bound.keywords == {"decode_kernel": turboquant_decode, "prefill_kernel": turboquant_prefill}

@@ -1,0 +1,93 @@
+"""When the engine speculates and what it reports: per-request acceptance in RequestOutput.metrics,
+totals in llm.stats(); drafts pause after low recent acceptance, a step speculates only where
+it expects to gain, never past VERIFY_COST's batch sizes, and never under a grammar."""
+from __future__ import annotations
+
+from slipstream import LLM, SamplingParams
+from slipstream.speculative import speculator
+from tests.speculative.test_speculative_engine import FREE, NGRAM, SMALL, Oracle
+
+PARAMS = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+class Always:
+    """Proposes k copies of one token (a wrong one where the model does not produce it)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return [self.token] * k
+
+
+def _run(tiny_llama, proposer, prompts=(PROMPT,), params=PARAMS):
+    llm = LLM(tiny_llama, dtype="float32", speculative_config=NGRAM, **SMALL)
+    llm.engine.speculator.proposer = proposer
+    return llm, llm.generate(list(prompts), params, use_tqdm=False)
+
+
+def test_acceptance_per_request_and_in_stats(tiny_llama):
+    reference = LLM(tiny_llama, dtype="float32", **SMALL).generate([PROMPT], PARAMS, use_tqdm=False)[0]
+    llm, (out,) = _run(tiny_llama, Oracle([PROMPT], [reference.outputs[0].token_ids]))
+    m, stats = out.metrics, llm.stats()
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert m.num_drafts == stats["spec_decode_num_drafts"] > 0
+    assert m.num_accepted_tokens == stats["spec_decode_num_accepted_tokens"] > 0
+    assert m.acceptance_rate == m.num_accepted_tokens / m.num_draft_tokens == stats["spec_decode_acceptance_rate"]
+    assert 1 < m.mean_accepted_length == 1 + m.num_accepted_tokens / m.num_drafts
+    # every output token came from a prefill, a plain decode or a verification
+    assert m.num_drafts + m.num_accepted_tokens < len(out.outputs[0].token_ids)
+    assert reference.metrics.num_drafts == 0 and reference.metrics.acceptance_rate is None
+
+
+def test_low_acceptance_pauses_drafts_for_a_while(tiny_llama):
+    reference = LLM(tiny_llama, dtype="float32", **SMALL).generate([PROMPT], PARAMS, use_tqdm=False)[0]
+    wrong = next(t for t in range(3, 384) if t not in reference.outputs[0].token_ids)
+    _, (rejected,) = _run(tiny_llama, Always(wrong))
+    assert rejected.metrics.num_accepted_tokens == 0
+    # two rejected verifications (k=4: the mean goes 4 -> 2 -> 1) and a verification no longer pays
+    # even alone: PAUSE_TOKENS tokens without, then two more
+    assert 2 <= rejected.metrics.num_drafts <= 2 * (1 + 60 // speculator.PAUSE_TOKENS)
+    assert rejected.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_large_batches_do_not_speculate(tiny_llama, monkeypatch):
+    monkeypatch.setattr(speculator, "VERIFY_COST", FREE[:1] + ((2, 0.0),))
+    llm, _ = _run(tiny_llama, Always(5), prompts=[PROMPT, PROMPT[:4], PROMPT[:5]],
+                     params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert llm.stats()["spec_decode_num_drafts"] == 0
+    monkeypatch.setattr(speculator, "VERIFY_COST", FREE[:1] + ((3, 0.0),))
+    llm.engine.speculator.proposer = Always(5)
+    llm.generate([PROMPT, PROMPT[:4], PROMPT[:5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    assert llm.stats()["spec_decode_num_drafts"] > 0
+
+
+def test_a_step_speculates_only_where_it_expects_to_gain(tiny_llama, monkeypatch):
+    """Three rows at a cost of 2.5 decode steps: 3 * 2.5 = 7.5 tokens needed; fresh sequences
+    promise 1 + 4 each (15), two rows with drafts and one without 11, one row with drafts 7."""
+    monkeypatch.setattr(speculator, "VERIFY_COST", ((1, 2.5), (3, 2.5)))
+    engine = LLM(tiny_llama, dtype="float32", speculative_config=NGRAM, **SMALL).engine
+    seqs = []
+    for i, prompt in enumerate([PROMPT, PROMPT[:4], PROMPT[:5]]):
+        engine.add_request(str(i), prompt, PARAMS)
+        seqs.append(engine.scheduler.waiting[-1])
+    engine.step()  # prefills
+    engine.speculator.proposer = Always(5)
+    assert len(engine.speculator.propose(seqs)) == 3
+    seqs[2].spec_paused_until = 10**6
+    assert len(engine.speculator.propose(seqs)) == 2
+    seqs[1].spec_paused_until = 10**6
+    assert engine.speculator.propose(seqs) == {}
+
+
+def test_grammar_requests_do_not_speculate(tiny_with_tokenizer, monkeypatch):
+    monkeypatch.setattr(speculator, "VERIFY_COST", FREE)
+    llm = LLM(tiny_with_tokenizer, dtype="float32", speculative_config=NGRAM)
+    llm.engine.speculator.proposer = Always(5)
+    choice = SamplingParams(temperature=0, max_tokens=20, structured_outputs={"choice": ["yes", "no"]})
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    constrained, plain = llm.generate([[5, 6, 7], [8, 9, 10]], [choice, free], use_tqdm=False)
+    assert constrained.outputs[0].text in ("yes", "no") and constrained.metrics.num_drafts == 0
+    assert plain.metrics.num_drafts > 0
