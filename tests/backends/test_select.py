@@ -50,11 +50,38 @@ def test_each_cpu_kind_gets_its_paths_and_says_why(kind):
     by_topic = {line.split(":")[0]: line for line in lines[2:]}
     for topic, fragment in zip(["linear", "MoE experts", "decode stack"], expected):
         assert fragment in by_topic[topic], (kind, by_topic[topic])
-    # invariance needs gemm.c's GEMMs and the attention kernel, and says so either way
-    assert backend.batch_invariant == (kind in ("amx", "avx512"))
-    assert by_topic["batch invariance"].startswith("batch invariance: " + ("bf16" if backend.batch_invariant else "none"))
+    # by default invariance where it is free: gemm.c's GEMMs without AMX (its cost on AMX is measured in the README)
+    assert backend.batch_invariant == (kind == "avx512")
+    assert by_topic["batch invariance"].startswith("batch invariance: " + {"amx": "off: --deterministic",
+                                                                            "avx512": "on"}.get(kind, "none"))
     if capability.kernels is None:
         assert "no native kernels: SLIPSTREAM_NATIVE=0" in lines[0]
+
+
+@pytest.mark.parametrize("kind", ["amx", "avx512"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_chooses_the_invariant_policy_or_the_fastest(kind, deterministic):
+    backend = CpuBackend(CASES[kind][0], deterministic)
+    lines = {line.split(":")[0]: line for line in backend.describe()}
+    assert backend.batch_invariant == backend.policy.invariant == deterministic
+    assert lines["batch invariance"].startswith("batch invariance: " + ("on" if deterministic else "off"))
+    if kind == "amx":  # tiles from one row for bf16, else the AVX-512 loops below AMX_MIN_ROWS
+        assert backend.policy.kernel("bf16", 1, 576) == ("amx" if deterministic else "avx512")
+    else:  # the float32 upcast for large batches, unless invariance keeps the loops
+        assert backend.policy.kernel("bf16", 512, 576) == ("avx512" if deterministic else None)
+        assert ("for every row count" in lines["linear"]) == deterministic
+
+
+@pytest.mark.parametrize("kind", ["avx2", "torch-on-amx"])
+def test_deterministic_true_is_refused_where_no_kernel_is_invariant(kind, monkeypatch):
+    from slipstream.backends import select
+
+    monkeypatch.setattr(select.CpuCapability, "detect", lambda: CASES[kind][0])
+    assert not select.select_backend(torch.device("cpu"), None).batch_invariant
+    with pytest.raises(ValueError, match=f"deterministic=True needs batch-invariant kernels.*{CASES[kind][1]}"):
+        select.select_backend(torch.device("cpu"), True)
+    with pytest.raises(ValueError, match="deterministic=True needs batch-invariant kernels.*reference"):
+        select.select_backend(torch.device("meta"), True)
 
 
 @pytest.mark.parametrize("kind", list(CASES))

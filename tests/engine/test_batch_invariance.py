@@ -1,11 +1,14 @@
-"""bf16, int8 and int4 greedy outputs, tokens and logprobs bit for bit, do not depend on what else
-is in the batch, on the prefill chunk size, on prefix-cache hits or on preemption: each request
-equals itself run alone. Held where the backend says it is batch-invariant (tests ask it)."""
+"""With deterministic=True, bf16, int8 and int4 greedy outputs, tokens and logprobs bit for bit, do
+not depend on what else is in the batch, on the prefill chunk size, on prefix-cache hits or on
+preemption: each request equals itself run alone. Held where the native kernels exist (tests ask
+the capability); refused, with the reason, for what they do not cover."""
 from __future__ import annotations
 
 import pytest
 
 from slipstream import LLM, SamplingParams
+from slipstream.backends.cpu.backend import CpuBackend
+from slipstream.backends.cpu.capability import CpuCapability
 from tests.conftest import random_prompts
 
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -20,10 +23,14 @@ def _outputs(outputs) -> list[tuple]:
 
 
 def _llm(model: str, fmt: str | None, **kwargs) -> LLM:
-    llm = LLM(model, dtype="bfloat16", quantization=fmt, **kwargs)
-    if not llm.engine.backend.batch_invariant:
-        pytest.skip(f"backend {llm.engine.backend.name} is not batch-invariant: " + llm.engine.backend.describe()[-1])
-    return llm
+    _skip_without_invariant_kernels()
+    return LLM(model, dtype="bfloat16", quantization=fmt, deterministic=True, **kwargs)
+
+
+def _skip_without_invariant_kernels() -> None:
+    backend = CpuBackend(CpuCapability.detect())
+    if not backend.capability.gemm:
+        pytest.skip(f"backend {backend.name} has no batch-invariant kernels: " + backend.describe()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +94,24 @@ def test_preemption_equals_alone(tiny_llama, prompts, fmt, alone):
 
 
 def test_the_torch_backend_says_it_is_not_invariant(no_native_kernels):
-    from slipstream.backends.cpu.backend import CpuBackend
-    from slipstream.backends.cpu.capability import CpuCapability
-
     backend = CpuBackend(CpuCapability.detect())
     assert not backend.batch_invariant and backend.describe()[-1].startswith("batch invariance: none")
+    with pytest.raises(ValueError, match="deterministic=True needs batch-invariant kernels, which backend cpu-torch"):
+        LLM("unused", deterministic=True)
+
+
+@pytest.mark.parametrize("kwargs,gap", [
+    ({"dtype": "float32"}, "dtype torch.float32"), ({"quantization": "w8a8"}, "quantization 'w8a8'"),
+    ({"kv_cache_dtype": "tq4"}, "kv_cache_dtype 'tq4'"), ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'")])
+def test_deterministic_refuses_what_it_does_not_cover(tiny_llama, kwargs, gap):
+    _skip_without_invariant_kernels()
+    with pytest.raises(ValueError, match=f"batch invariance does not cover {gap}"):
+        LLM(tiny_llama, deterministic=True, **{"dtype": "bfloat16", **kwargs})
+
+
+def test_deterministic_refuses_moe_experts(tmp_path):
+    from tests.models.test_moe_families import build_moe_checkpoint
+
+    _skip_without_invariant_kernels()
+    with pytest.raises(ValueError, match="does not cover MoE experts"):
+        LLM(build_moe_checkpoint(str(tmp_path / "moe"), "mixtral"), dtype="bfloat16", deterministic=True)

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
-from slipstream.backends.cpu.linear import (AMX_K_MULTIPLE, AMX_MIN_ROWS, GemmPolicy, NativeBf16, NativeInt4,
+from slipstream.backends.cpu.linear import (AMX_K_MULTIPLE, AMX_MIN_ROWS, INT8_WIDEN_MIN_ROWS, INVARIANT_AMX_MIN_ROWS,
+                                            NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy, NativeBf16, NativeInt4,
                                             NativeInt8, OneDnnBf16)
 from slipstream.layers.linear import Linear, silu_and_mul
 from slipstream.layers.quantization import WeightOnly
@@ -34,11 +35,11 @@ class Forced(GemmPolicy):
     """Every row count on one kernel, where its tiles take the layer's K (as the policy requires)."""
 
     def __init__(self, kernel: str):
-        super().__init__(amx=kernel == "amx")
+        super().__init__(amx=kernel != "avx512", invariant=True)
         self.forced = kernel
 
     def kernel(self, fmt: str, rows: int, k: int) -> str:
-        return "avx512" if self.forced == "amx" and k % AMX_K_MULTIPLE[fmt] else self.forced
+        return "avx512" if self.amx and k % AMX_K_MULTIPLE[fmt] else self.forced
 
 
 @pytest.fixture(params=["avx512", "amx"])
@@ -50,7 +51,7 @@ def kernel(request, gemm_isa) -> Forced:
 
 
 def native(layer: Linear, fmt: str | None, policy: GemmPolicy) -> Linear:
-    layer.bind({None: NativeBf16(policy), "int8": NativeInt8(policy), "int4": NativeInt4(policy)}[fmt])
+    layer.bind({None: NativeBf16(policy, upcast=False), "int8": NativeInt8(policy), "int4": NativeInt4(policy)}[fmt])
     return layer
 
 
@@ -135,15 +136,51 @@ def test_every_thread_count_computes_the_same_columns(kernel, fmt, rows):
 
 @pytest.mark.parametrize("amx", [False, True])
 def test_policy_per_capability(amx):
-    """One kernel per layer whatever the rows: without AMX the AVX-512 loops; with it the tiles,
-    for the K they tile (int8: multiples of 64, else 32), from AMX_MIN_ROWS rows (one row but for
-    int8, whose two kernels give the same bits)."""
-    policy = GemmPolicy(amx)
-    for fmt in ("bf16", "int8", "int4"):
-        for rows in (1, 7, 8, 16, 255, 256, 4096):
-            assert policy.kernel(fmt, rows, 576) == ("amx" if amx and rows >= AMX_MIN_ROWS[fmt] else "avx512")
+    """Without AMX, the measured policy of the AVX-512 machines; with it, the tiles from
+    AMX_MIN_ROWS rows of any size, for the K they tile (int8: multiples of 64, else 32), int8
+    codes widened to bf16 tiles from INT8_WIDEN_MIN_ROWS."""
+    policy = GemmPolicy(amx, invariant=False)
+    for fmt, largest in (("bf16", NATIVE_MAX_ROWS), ("int8", UPCAST_MIN_ROWS), ("int4", UPCAST_MIN_ROWS)):
+        below, tiled = AMX_MIN_ROWS[fmt] - 1, AMX_MIN_ROWS[fmt]
+        assert policy.kernel(fmt, 1, 576) == policy.kernel(fmt, below, 576) == "avx512"
+        assert policy.kernel(fmt, tiled, 576) == ("amx" if amx else "avx512")
+        assert policy.kernel(fmt, largest - 1, 576) == ("amx" if amx else "avx512")
+        tiles = "amx_widened" if fmt == "int8" else "amx"
+        assert policy.kernel(fmt, largest, 576) == policy.kernel(fmt, 4096, 576) == (tiles if amx else None)
+    assert policy.kernel("int8", INT8_WIDEN_MIN_ROWS - 1, 576) == ("amx" if amx else "avx512")
     assert policy.kernel("int8", 64, 96) == policy.kernel("bf16", 64, 80) == "avx512"  # K the tiles do not take
     assert policy.kernel("int8", 64, 128) == policy.kernel("int4", 64, 96) == ("amx" if amx else "avx512")
+    assert policy.decode_stack_max_tokens() == (None if amx else UPCAST_MIN_ROWS)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_invariant_policy_per_capability(amx):
+    """One kernel per layer whatever the rows: without AMX the AVX-512 loops; with it the tiles,
+    for the K they tile, from one row (from AMX_MIN_ROWS for int8, whose two kernels give the same
+    bits); never a torch path, never int8 widened to bf16."""
+    policy = GemmPolicy(amx, invariant=True)
+    for fmt in ("bf16", "int8", "int4"):
+        for rows in (1, 7, 8, 16, 255, 256, 4096):
+            assert policy.kernel(fmt, rows, 576) == ("amx" if amx and rows >= INVARIANT_AMX_MIN_ROWS[fmt] else "avx512")
+    assert policy.kernel("int8", 64, 96) == policy.kernel("bf16", 64, 80) == "avx512"
+    assert policy.decode_stack_max_tokens() is None
+
+
+@pytest.mark.parametrize("rows", [1, 17, 130])
+@pytest.mark.parametrize("silu", [False, True])
+def test_int8_codes_widened_to_bf16_tiles_equal_the_dequantized_product(gemm_isa, rows, silu):
+    """The fast policy's int8 kernel from INT8_WIDEN_MIN_ROWS rows on AMX: the exact codes as bf16
+    tiles, x as it is, the column scale at the end (also as the fused gate/up activation)."""
+    if not CpuCapability.detect().amx_kernels:
+        pytest.skip(f"the {gemm_isa} build has no AMX GEMMs on this machine")
+    torch.manual_seed(rows)
+    layer = native(Linear(128, 2 * 96, bias=False).bfloat16(), "int8", Forced("amx_widened"))
+    x = torch.randn(rows, 128).bfloat16()
+    product = F.linear(x.float(), float32_weight(layer))
+    gate, up = product.chunk(2, -1)
+    with torch.inference_mode():
+        out = silu_and_mul(layer, x) if silu else layer(x)
+    torch.testing.assert_close(out.float(), F.silu(gate) * up if silu else product, rtol=2e-2, atol=2e-2)
 
 
 def test_amx_availability_is_a_question_not_an_assumption(no_native_kernels):
@@ -194,7 +231,7 @@ def _each_row_alone_and_in_every_batch(layer: Linear, call) -> None:
 def _policies(gemm_isa) -> list[GemmPolicy]:
     """This machine's policy, and every single kernel it can run forced for every row count."""
     amx = CpuCapability.detect().amx_kernels
-    return [GemmPolicy(amx), Forced("avx512"), *([Forced("amx")] if amx else [])]
+    return [GemmPolicy(amx, invariant=True), Forced("avx512"), *([Forced("amx")] if amx else [])]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
