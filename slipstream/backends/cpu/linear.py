@@ -252,9 +252,9 @@ def pack_quads(codes: torch.Tensor) -> torch.Tensor:
 def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
                   low: torch.Tensor | None = None, kernel: str = "avx512", silu: bool = False) -> torch.Tensor:
     """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512", "amx"
-    or, for int8, "amx_widened": see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8 codes with a float32
-    `scale` per output column (`pack_quads`), or 4-bit codes with `scale` and `low` per group
-    and column (`NativeInt4._pack`). With `silu` (AMX only) the weight is a fused [gate; up]
+    or, for int8, "amx_widened": see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8
+    codes with a float32 `scale` per output column (`pack_quads`), or 4-bit codes with `scale`
+    and `low` per group and column (`NativeInt4._pack`). With `silu` (AMX only) the weight is a fused [gate; up]
     projection and the result silu(gate) * up, [M, N/2]."""
     x = x.contiguous()
     blocks, k = packed.shape[0], x.shape[1]
