@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slipstream.attention import reference
-from slipstream.backends.cpu.attention import attend, dense_attention
+from slipstream.backends.cpu.attention import attend, dense_attention, dense_decode
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu import abi, build
@@ -78,10 +78,17 @@ def test_disabled_native_kernels_fall_back(no_native_kernels):
     assert CpuBackend(CpuCapability.detect()).attention(cache) is reference.paged_attention
 
 
-def test_the_backend_binds_the_kernel_to_bf16_caches_only(isa):
-    backend = CpuBackend(CpuCapability.detect())
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_backend_binds_the_kernel_to_bf16_caches_only(isa, deterministic):
+    """Every query through the kernel where batch-invariant, else decode rows only (SDPA for prefill)."""
+    backend = CpuBackend(CpuCapability.detect(), deterministic)
+    assert backend.batch_invariant == (deterministic and backend.capability.gemm)  # builds without gemm.c: never
     _, cache, _ = _decode_step([3], 4, 1)
-    assert backend.attention(cache) is dense_attention
+    bound = backend.attention(cache)
+    if backend.batch_invariant:
+        assert bound is dense_attention
+    else:
+        assert bound.func is reference.paged_attention and bound.keywords == {"decode_kernel": dense_decode}
     assert backend.attention(_float_cache(cache)) is reference.paged_attention
 
 

@@ -43,9 +43,16 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, me
             or block_size > lib.paged_attention_max_block):
         return reference.paged_attention(q, k, v, cache, meta, scale, sliding_window)
     cache.write(k, v, meta.slot_mapping)
-    out = _paged(q, cache, scale, sliding_window, *query_tables(meta))
+    return attend(q, cache, meta, scale, sliding_window)
+
+
+def attend(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    """Each query of q [T, Hq, D] over its own context in a bf16 cache that holds the step's K/V,
+    as the last token of that context: [T, Hq, D]. The caller checked the shapes."""
+    out = _paged(q, cache, scale, window, *query_tables(meta))
     if out is None:
-        raise ValueError(f"paged attention declined {q.shape[1]} heads over {kv_heads}, head size {dim}")
+        raise ValueError(f"paged attention declined {q.shape[1]} heads over {cache.k.shape[0]}, "
+                         f"head size {cache.k.shape[3]}")
     return out
 
 
