@@ -11,13 +11,16 @@ transformers runs a hand-written greedy loop over its own KV cache (bf16 like us
 llama.cpp (`pip install -e '.[peers]'`, see the README) runs the same GGUF file in its
 own weight format (Q4_1 for SmolLM2), through its low-level batch API, one sequence id
 per stream; offline throughput runs its requests one after another, as llama-cpp-python
-serves them. Each --quantization adds a slipstream column with that weight format.
+serves them. Each --quantization adds a slipstream column with that weight format;
+--deterministic adds, for each, a column with batch invariance set the other way from the
+backend's default (`det`: deterministic=True, `nondet`: False) and prints its cost as ratios.
 
-    python benchmarks/compare.py [--model smollm2-135m] [--threads 2] [--quantization int4 w8a8]
+    python benchmarks/compare.py [--model smollm2-135m] [--threads 2] [--quantization int4 w8a8] [--deterministic]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -196,10 +199,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=32, help="offline throughput workload size")
     parser.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp", "throughput"])
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also measure each slipstream column with batch invariance the other way")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    ours = [_slipstream(args.model, None)] + [_slipstream(args.model, q) for q in args.quantization]
+    ours = [_slipstream(args.model, q) for q in [None, *args.quantization]]
+    pairs = []  # (deterministic, not) columns of one weight format
+    if args.deterministic:
+        for default in list(ours):
+            other = _slipstream(args.model, default.quantization, not default.llm.engine.backend.batch_invariant)
+            ours.append(other)
+            pairs.append((other, default) if other.deterministic else (default, other))
     path, vocab = ours[0].llm.engine.model_path, ours[0].llm.engine.model_config.vocab_size
     peers = []
     if "transformers" not in args.skip:
@@ -214,6 +225,8 @@ def main() -> None:
     if "throughput" not in args.skip:
         rows["offline throughput"] = throughput(ours + peers, args, vocab)
     report(rows, ours, peers)
+    if pairs:
+        report(rows, [a for a, _ in pairs], [b for _, b in pairs], zip_pairs=True)
     for peer in ours:
         weights = weight_bytes_per_step(peer.llm.engine.runner.model)
         roofline = bandwidth / weights
@@ -221,10 +234,12 @@ def main() -> None:
               f"per step = {roofline:.0f} tok/s; reached {rows['decode, 1 stream'][peer.name] / roofline:.0%}")
 
 
-def _slipstream(model: str, quantization: str | None) -> Slipstream:
+def _slipstream(model: str, quantization: str | None, deterministic: bool | None = None) -> Slipstream:
     peer = Slipstream(LLM(model, dtype="bfloat16", quantization=quantization, max_num_seqs=max(BATCHES),
-                          enable_prefix_caching=False))
-    peer.name = f"slipstream {quantization}" if quantization else "slipstream"
+                          enable_prefix_caching=False, deterministic=deterministic))
+    peer.quantization, peer.deterministic = quantization, peer.llm.engine.backend.batch_invariant
+    setting = "" if deterministic is None else " det" if deterministic else " nondet"
+    peer.name = "slipstream" + (f" {quantization}" if quantization else "") + setting
     return peer
 
 
@@ -270,17 +285,20 @@ def throughput(peers, args, vocab: int) -> dict[str, float]:
     return results
 
 
-def report(rows: dict[str, dict[str, float]], ours: list, peers: list) -> None:
+def report(rows: dict[str, dict[str, float]], ours: list, peers: list, zip_pairs: bool = False) -> None:
+    """The figures of every column, then each of ours over each peer (zip_pairs: ours[i] over peers[i] only)."""
     names = [p.name for p in ours + peers]
-    ratios = [(a.name, b.name) for a in ours for b in peers]
-    print(f"{'tok/s':22s}" + "".join(f"{n:>18s}" for n in names))
-    for row, figures in rows.items():
-        print(f"{row:22s}" + "".join(f"{figures[n]:18.1f}" for n in names))
+    ratios = [(a.name, b.name) for a, b in (zip(ours, peers) if zip_pairs else itertools.product(ours, peers))]
+    if not zip_pairs:
+        print(f"{'tok/s':22s}" + "".join(f"{n:>20s}" for n in names))
+        for row, figures in rows.items():
+            print(f"{row:22s}" + "".join(f"{figures[n]:20.1f}" for n in names))
     if not ratios:
         return
-    print(f"\n{'ratio':22s}" + "".join(f"{a + ' / ' + b:>32s}" for a, b in ratios))
+    width = max(len(a) + len(b) for a, b in ratios) + 5
+    print(f"\n{'ratio':22s}" + "".join(f"{a + ' / ' + b:>{width}s}" for a, b in ratios))
     for row, figures in rows.items():
-        print(f"{row:22s}" + "".join(f"{figures[a] / figures[b]:31.2f}x" for a, b in ratios))
+        print(f"{row:22s}" + "".join(f"{figures[a] / figures[b]:{width - 1}.2f}x" for a, b in ratios))
 
 
 if __name__ == "__main__":

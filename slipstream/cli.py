@@ -34,6 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--device", default=d.device)
+    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=d.deterministic,
+                        help="batch-invariant outputs (default: where they cost nothing, i.e. CPUs without AMX)")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
@@ -45,7 +47,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_sink_tokens=args.kv_cache_sink_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, device=args.device, speculative_config=args.speculative_config)
+        max_model_len=args.max_model_len, device=args.device, speculative_config=args.speculative_config,
+        deterministic=args.deterministic)
 
 
 def _json_object(text: str) -> dict:
@@ -150,7 +153,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     from slipstream.platform import resolve_device
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for line in select_backend(resolve_device(args.device)).describe():
+    for line in select_backend(resolve_device(args.device), args.deterministic).describe():
         print(line)
 
 
@@ -228,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     info = sub.add_parser("info", help="which backend and kernels serve this machine, and why")
     info.add_argument("--device", default=EngineConfig().device)
+    info.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None)
     info.set_defaults(func=cmd_info)
     add_serve_parser(sub)
     add_bench_parser(sub)

@@ -39,6 +39,9 @@ class EngineConfig:
     # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ...,
     # "prompt_lookup_max": ...}; validate() turns it into a SpeculativeConfig
     speculative_config: dict | SpeculativeConfig | None = None
+    # batch-invariant outputs (the same bits whatever else is in the batch): True requires them,
+    # False takes the fastest kernels, None (auto) has them where they cost nothing (CPUs without AMX)
+    deterministic: bool | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -66,4 +69,6 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be a non-negative integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer or None")
+        if self.deterministic not in (None, True, False):
+            raise ValueError(f"deterministic={self.deterministic!r} must be True, False or None (auto)")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -47,6 +47,11 @@ class Backend:
         for the steps it serves (True), or None where the backend has none."""
         return None
 
+    # Whether a bf16 (int8, int4) dense model's outputs on a bf16 KV cache are the same bits
+    # whatever else shares the step, however a prompt is chunked, cached or recomputed: one
+    # kernel and one reduction order per token. Library GEMMs and SDPA block by shape: no.
+    batch_invariant = False
+
     def describe(self) -> list[str]:
         """Lines saying which implementation serves what, and why."""
         return [self.name]

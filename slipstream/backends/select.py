@@ -10,9 +10,13 @@ from slipstream.backends.cuda.backend import CudaBackend
 from slipstream.backends.reference import ReferenceBackend
 
 
-def select_backend(device: torch.device) -> Backend:
+def select_backend(device: torch.device, deterministic: bool | None = None) -> Backend:
+    """deterministic: batch-invariant kernels required (True), not wanted (False), or where free (None)."""
     if device.type == "cpu":
-        return CpuBackend(CpuCapability.detect())
-    if device.type == "cuda":
-        return CudaBackend(device)
-    return ReferenceBackend(device)
+        backend = CpuBackend(CpuCapability.detect(), deterministic)
+    else:
+        backend = CudaBackend(device) if device.type == "cuda" else ReferenceBackend(device)
+    if deterministic and not backend.batch_invariant:
+        raise ValueError(f"deterministic=True needs batch-invariant kernels, which backend {backend.name} does not "
+                         "have (they are the native CPU kernels of cpu-amx and cpu-avx512)")
+    return backend

@@ -32,6 +32,7 @@ from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.calibration import MAX_TOKENS as CALIBRATION_TOKENS, calibration_text
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.layers.logits_processors import default_processors
+from slipstream.layers.moe import Experts
 from slipstream.layers.sampler import Sampler
 from slipstream.engine.model_loader import load_model
 from slipstream.outputs import RequestMetrics, RequestOutput
@@ -51,11 +52,13 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.backend = select_backend(self.device)
+        self.backend = select_backend(self.device, config.deterministic)
         loaded = load_model(config.model, self.dtype, self.backend, config.quantization)
         self.model_path, self.model_config = loaded.path, loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_cache = self._allocate_kv_cache(loaded.model)
+        if config.deterministic:
+            self._check_deterministic(loaded.model)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -91,6 +94,19 @@ class LLMEngine:
         shapes = [(attn.num_kv_heads, attn.head_dim) for attn in model.attention_layers()]
         return KVCache(shapes, kv_dtype, self.dtype, c.kv_cache_memory, c.block_size, self.device,
                        c.kv_cache_dense_layers, c.kv_cache_recent_tokens, c.max_num_seqs, c.kv_cache_sink_tokens)
+
+    def _check_deterministic(self, model) -> None:
+        """deterministic=True is honoured or refused: the parts no invariant kernel serves are named."""
+        kv_dtype = parse_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
+        gaps = [f"dtype {self.dtype} (bfloat16 only)"] * (self.dtype != torch.bfloat16)
+        gaps += [f"quantization {self.config.quantization!r} (None, 'int8' or 'int4' only)"] * (
+            self.config.quantization not in (None, "int8", "int4"))
+        gaps += [f"kv_cache_dtype {self.config.kv_cache_dtype!r} (a bfloat16 cache only)"] * (
+            kv_dtype.dense != torch.bfloat16)
+        gaps += ["MoE experts (their kernels are chosen by group size)"] * any(
+            isinstance(m, Experts) for m in model.modules())
+        if gaps:
+            raise ValueError("deterministic=True: batch invariance does not cover " + "; ".join(gaps))
 
     def _calibrate_kv_cache(self) -> None:
         """Run a fixed prompt first, so TurboQuant's constants never depend on user traffic.

@@ -33,7 +33,7 @@ CASES = {  # capability -> (backend name, what its linear, MoE and decode-stack 
     "amx": (CpuCapability(AMX_FLAGS, build("native", True, True), "native"),
             "cpu-amx", ["AMX tiles", "AMX tiles for every group", "every all-decode step"]),
     "avx512": (CpuCapability(AVX512_FLAGS, build("native", True, False), "native"),
-               "cpu-avx512", ["AVX-512 loops", "float32 FMAs", "below 128 tokens"]),
+               "cpu-avx512", ["AVX-512 loops", "float32 FMAs", "every all-decode step"]),
     "avx2": (CpuCapability(AVX512_FLAGS, build("x86-64-v3", False, False), "x86-64-v3"),
              "cpu-avx2", ["float32 GEMMs above", "torch, one expert", "none"]),
     "torch-on-amx": (CpuCapability(AMX_FLAGS, None, "native", "SLIPSTREAM_NATIVE=0"),
@@ -50,8 +50,38 @@ def test_each_cpu_kind_gets_its_paths_and_says_why(kind):
     by_topic = {line.split(":")[0]: line for line in lines[2:]}
     for topic, fragment in zip(["linear", "MoE experts", "decode stack"], expected):
         assert fragment in by_topic[topic], (kind, by_topic[topic])
+    # by default invariance where it is free: gemm.c's GEMMs without AMX (its cost on AMX is measured in the README)
+    assert backend.batch_invariant == (kind == "avx512")
+    assert by_topic["batch invariance"].startswith("batch invariance: " + {"amx": "off: --deterministic",
+                                                                            "avx512": "on"}.get(kind, "none"))
     if capability.kernels is None:
         assert "no native kernels: SLIPSTREAM_NATIVE=0" in lines[0]
+
+
+@pytest.mark.parametrize("kind", ["amx", "avx512"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_chooses_the_invariant_policy_or_the_fastest(kind, deterministic):
+    backend = CpuBackend(CASES[kind][0], deterministic)
+    lines = {line.split(":")[0]: line for line in backend.describe()}
+    assert backend.batch_invariant == backend.policy.invariant == deterministic
+    assert lines["batch invariance"].startswith("batch invariance: " + ("on" if deterministic else "off"))
+    if kind == "amx":  # tiles from one row for bf16, else the AVX-512 loops below AMX_MIN_ROWS
+        assert backend.policy.kernel("bf16", 1, 576) == ("amx" if deterministic else "avx512")
+    else:  # the float32 upcast for large batches, unless invariance keeps the loops
+        assert backend.policy.kernel("bf16", 512, 576) == ("avx512" if deterministic else None)
+        assert ("for every row count" in lines["linear"]) == deterministic
+
+
+@pytest.mark.parametrize("kind", ["avx2", "torch-on-amx"])
+def test_deterministic_true_is_refused_where_no_kernel_is_invariant(kind, monkeypatch):
+    from slipstream.backends import select
+
+    monkeypatch.setattr(select.CpuCapability, "detect", lambda: CASES[kind][0])
+    assert not select.select_backend(torch.device("cpu"), None).batch_invariant
+    with pytest.raises(ValueError, match=f"deterministic=True needs batch-invariant kernels.*{CASES[kind][1]}"):
+        select.select_backend(torch.device("cpu"), True)
+    with pytest.raises(ValueError, match="deterministic=True needs batch-invariant kernels.*reference"):
+        select.select_backend(torch.device("meta"), True)
 
 
 @pytest.mark.parametrize("kind", list(CASES))

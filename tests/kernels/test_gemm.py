@@ -11,7 +11,6 @@ is built. Tolerances, per path:
   value) times the codes in exact integer sums, one rounding to bf16;
 - int4: the AVX-512 loop as int8; the AMX kernel also rounds each dequantized weight to bf16
   (relative error up to 2^-9 per weight);
-- int8 on AMX from 128 rows: exact codes in bf16 tiles, x as it is, the scale at the end.
 All of these stay within 1e-2 relative and absolute of the float32 product on these inputs;
 silu(gate) * up within 2e-2 (the torch path rounds gate, up and silu to bf16 before the product).
 """
@@ -23,8 +22,9 @@ import torch.nn.functional as F
 
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
-from slipstream.backends.cpu.linear import (AMX_K_MULTIPLE, AMX_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS,
-                                            GemmPolicy, NativeBf16, NativeInt4, NativeInt8, OneDnnBf16)
+from slipstream.backends.cpu.linear import (AMX_K_MULTIPLE, AMX_MIN_ROWS, INT8_WIDEN_MIN_ROWS, INVARIANT_AMX_MIN_ROWS,
+                                            NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy, NativeBf16, NativeInt4,
+                                            NativeInt8, OneDnnBf16)
 from slipstream.layers.linear import Linear, silu_and_mul
 from slipstream.layers.quantization import WeightOnly
 
@@ -35,11 +35,11 @@ class Forced(GemmPolicy):
     """Every row count on one kernel, where its tiles take the layer's K (as the policy requires)."""
 
     def __init__(self, kernel: str):
-        super().__init__(amx=kernel == "amx")
+        super().__init__(amx=kernel != "avx512", invariant=True)
         self.forced = kernel
 
     def kernel(self, fmt: str, rows: int, k: int) -> str:
-        return "avx512" if self.forced == "amx" and k % AMX_K_MULTIPLE[fmt] else self.forced
+        return "avx512" if self.amx and k % AMX_K_MULTIPLE[fmt] else self.forced
 
 
 @pytest.fixture(params=["avx512", "amx"])
@@ -97,11 +97,11 @@ def test_native_quantized_gemm_equals_the_dequantized_product(kernel, fmt, rows,
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 9, 40, 130])  # int8 on AMX: integer tiles below 128 rows, widened codes above
+@pytest.mark.parametrize("rows", [1, 9, 40, 130])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_silu_and_mul_equals_the_float32_activation(kernel, fmt, rows):
-    """silu(gate) * up of a fused [gate; up] projection: on AMX in the GEMM's epilogue (float32
-    sums, one rounding), else the projection and torch's ops (bf16 gate and up, rounded again)."""
+    """silu(gate) * up of a fused [gate; up] projection: on AMX in the GEMM's epilogue, else the
+    projection and gemm.c's `silu_and_mul_bf16`; both round gate, up, silu and the product to bf16."""
     torch.manual_seed(rows)
     layer = native(Linear(128, 2 * 96, bias=False).bfloat16(), fmt, kernel)  # 6 gate blocks and 6 up blocks of 16
     x = torch.randn(rows, 128).bfloat16()
@@ -137,17 +137,50 @@ def test_every_thread_count_computes_the_same_columns(kernel, fmt, rows):
 @pytest.mark.parametrize("amx", [False, True])
 def test_policy_per_capability(amx):
     """Without AMX, the measured policy of the AVX-512 machines; with it, the tiles from
-    AMX_MIN_ROWS rows of any size, for the K they tile (int8: multiples of 64, else 32)."""
-    policy = GemmPolicy(amx)
+    AMX_MIN_ROWS rows of any size, for the K they tile (int8: multiples of 64, else 32), int8
+    codes widened to bf16 tiles from INT8_WIDEN_MIN_ROWS."""
+    policy = GemmPolicy(amx, invariant=False)
     for fmt, largest in (("bf16", NATIVE_MAX_ROWS), ("int8", UPCAST_MIN_ROWS), ("int4", UPCAST_MIN_ROWS)):
         below, tiled = AMX_MIN_ROWS[fmt] - 1, AMX_MIN_ROWS[fmt]
         assert policy.kernel(fmt, 1, 576) == policy.kernel(fmt, below, 576) == "avx512"
         assert policy.kernel(fmt, tiled, 576) == ("amx" if amx else "avx512")
         assert policy.kernel(fmt, largest - 1, 576) == ("amx" if amx else "avx512")
-        assert policy.kernel(fmt, largest, 576) == policy.kernel(fmt, 4096, 576) == ("amx" if amx else None)
+        tiles = "amx_widened" if fmt == "int8" else "amx"
+        assert policy.kernel(fmt, largest, 576) == policy.kernel(fmt, 4096, 576) == (tiles if amx else None)
+    assert policy.kernel("int8", INT8_WIDEN_MIN_ROWS - 1, 576) == ("amx" if amx else "avx512")
     assert policy.kernel("int8", 64, 96) == policy.kernel("bf16", 64, 80) == "avx512"  # K the tiles do not take
     assert policy.kernel("int8", 64, 128) == policy.kernel("int4", 64, 96) == ("amx" if amx else "avx512")
     assert policy.decode_stack_max_tokens() == (None if amx else UPCAST_MIN_ROWS)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_invariant_policy_per_capability(amx):
+    """One kernel per layer whatever the rows: without AMX the AVX-512 loops; with it the tiles,
+    for the K they tile, from one row (from AMX_MIN_ROWS for int8, whose two kernels give the same
+    bits); never a torch path, never int8 widened to bf16."""
+    policy = GemmPolicy(amx, invariant=True)
+    for fmt in ("bf16", "int8", "int4"):
+        for rows in (1, 7, 8, 16, 255, 256, 4096):
+            assert policy.kernel(fmt, rows, 576) == ("amx" if amx and rows >= INVARIANT_AMX_MIN_ROWS[fmt] else "avx512")
+    assert policy.kernel("int8", 64, 96) == policy.kernel("bf16", 64, 80) == "avx512"
+    assert policy.decode_stack_max_tokens() is None
+
+
+@pytest.mark.parametrize("rows", [1, 17, 130])
+@pytest.mark.parametrize("silu", [False, True])
+def test_int8_codes_widened_to_bf16_tiles_equal_the_dequantized_product(gemm_isa, rows, silu):
+    """The fast policy's int8 kernel from INT8_WIDEN_MIN_ROWS rows on AMX: the exact codes as bf16
+    tiles, x as it is, the column scale at the end (also as the fused gate/up activation)."""
+    if not CpuCapability.detect().amx_kernels:
+        pytest.skip(f"the {gemm_isa} build has no AMX GEMMs on this machine")
+    torch.manual_seed(rows)
+    layer = native(Linear(128, 2 * 96, bias=False).bfloat16(), "int8", Forced("amx_widened"))
+    x = torch.randn(rows, 128).bfloat16()
+    product = F.linear(x.float(), float32_weight(layer))
+    gate, up = product.chunk(2, -1)
+    with torch.inference_mode():
+        out = silu_and_mul(layer, x) if silu else layer(x)
+    torch.testing.assert_close(out.float(), F.silu(gate) * up if silu else product, rtol=2e-2, atol=2e-2)
 
 
 def test_amx_availability_is_a_question_not_an_assumption(no_native_kernels):
@@ -179,3 +212,42 @@ def test_onednn_packed_bf16_matches_the_float32_product(rows):
     x = torch.randn(rows, 128, dtype=torch.bfloat16)
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+# every remainder of the AVX-512 loops' 6-row tiles and AMX's 16-row tiles and 32-row blocks, and
+# int8's switch between them at AMX_MIN_ROWS
+ROW_COUNTS = [*range(1, 40), 63, 64, 65, 127, 128, 129, 200]
+
+
+def _each_row_alone_and_in_every_batch(layer: Linear, call) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(max(ROW_COUNTS), layer.in_features).bfloat16()
+    with torch.inference_mode():
+        alone = torch.cat([call(layer, x[i:i + 1]) for i in range(x.shape[0])])
+        for rows in ROW_COUNTS:
+            assert torch.equal(call(layer, x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+def _policies(gemm_isa) -> list[GemmPolicy]:
+    """This machine's policy, and every single kernel it can run forced for every row count."""
+    amx = CpuCapability.detect().amx_kernels
+    return [GemmPolicy(amx, invariant=True), Forced("avx512"), *([Forced("amx")] if amx else [])]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(gemm_isa, fmt):
+    """Batch invariance of the GEMMs: each row of x times the layer, bit for bit the same alone and
+    in a call of any number of rows, on each kernel and under the policy that switches between
+    them. K = 320: AMX tiles it in every format, int8's float32 chunks end on a partial one."""
+    for policy in _policies(gemm_isa):
+        layer = native(Linear(320, 176, bias=False).bfloat16(), fmt, policy)
+        _each_row_alone_and_in_every_batch(layer, lambda layer, x: layer(x))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_silu_and_mul_does_not_depend_on_the_rows_beside_it(gemm_isa, fmt):
+    """The same for the fused gate/up projection's activation: the AMX epilogue and the unfused
+    projection plus `silu_and_mul_bf16` round alike."""
+    for policy in _policies(gemm_isa):
+        layer = native(Linear(320, 2 * 96, bias=False).bfloat16(), fmt, policy)
+        _each_row_alone_and_in_every_batch(layer, silu_and_mul)

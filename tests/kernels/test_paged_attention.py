@@ -1,12 +1,13 @@
-"""The native decode-attention and cache-write kernels, in every kernel build, against the torch
-reference, on a real paged layout."""
+"""The native paged-attention and cache-write kernels, in every kernel build, against the torch
+reference, on a real paged layout; and a token's attention output the same bits however its
+prompt was chunked (batch invariance)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from slipstream.attention import reference
-from slipstream.backends.cpu.attention import dense_decode
+from slipstream.backends.cpu.attention import attend, dense_attention, dense_decode
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu import abi, build
@@ -42,8 +43,7 @@ def _decode_step(lens: list[int], num_heads: int, kv_heads: int, dim: int = 64, 
 @pytest.mark.parametrize("window", [None, 20])
 def test_kernel_equals_reference_decode(isa, num_heads, kv_heads, window):
     q, cache, meta = _decode_step([1, 17, 100, 16, 250], num_heads, kv_heads)
-    ours = dense_decode(q, cache, meta, 0.125, window)
-    assert ours is not None
+    ours = attend(q, cache, meta, 0.125, window)
     ref = reference.decode(q, cache, meta, 0.125, window)
     # the reference rounds scores and probabilities to bf16; the kernel keeps them in fp32 (in every
     # build: plain C that the compiler vectorizes per ISA; measured 0.0032 from fp32 in each)
@@ -68,8 +68,8 @@ def test_kernel_reads_only_each_sequence_blocks(isa):
     cache.k[:, free] = float("nan")
     last = meta.decode_block_tables[0, 0]
     cache.v[:, last, 5:] = float("nan")  # slots after the 5 tokens of sequence 0
-    out = dense_decode(q, cache, meta, 0.125, None)
-    assert out is not None and torch.isfinite(out).all()
+    out = attend(q, cache, meta, 0.125, None)
+    assert torch.isfinite(out).all()
 
 
 def test_disabled_native_kernels_fall_back(no_native_kernels):
@@ -78,11 +78,47 @@ def test_disabled_native_kernels_fall_back(no_native_kernels):
     assert CpuBackend(CpuCapability.detect()).attention(cache) is reference.paged_attention
 
 
-def test_the_backend_binds_the_decode_kernel_to_bf16_caches_only(isa):
-    backend = CpuBackend(CpuCapability.detect())
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_backend_binds_the_kernel_to_bf16_caches_only(isa, deterministic):
+    """Every query through the kernel where batch-invariant, else decode rows only (SDPA for prefill)."""
+    backend = CpuBackend(CpuCapability.detect(), deterministic)
+    assert backend.batch_invariant == (deterministic and backend.capability.gemm)  # builds without gemm.c: never
     _, cache, _ = _decode_step([3], 4, 1)
-    assert backend.attention(cache).keywords == {"decode_kernel": dense_decode}
+    bound = backend.attention(cache)
+    if backend.batch_invariant:
+        assert bound is dense_attention
+    else:
+        assert bound.func is reference.paged_attention and bound.keywords == {"decode_kernel": dense_decode}
     assert backend.attention(_float_cache(cache)) is reference.paged_attention
+
+
+CHUNKINGS = [[70], [33, 37], [16, 16, 38], [5] + [1] * 65]  # the last: a 5-token chunk, then 65 decodes
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_tokens_attention_does_not_depend_on_how_its_prompt_was_chunked(isa, window):
+    """70 tokens written and attended in chunks of any size, or one at a time as decode rows: each
+    token's output the same bits every time, and within bf16's error of the torch prefill."""
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim, block_size = 70, 9, 3, 64, 16
+    q, k, v = (torch.randn(n, h, dim).bfloat16() for h in (heads, kv_heads, kv_heads))
+    table = torch.randperm(8)[:5]  # shuffled blocks, as after frees and reuse
+    slots = table[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+    outputs = []
+    for chunks in CHUNKINGS:
+        cache = LayerKVCache(8, block_size, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+        out, done = [], 0
+        for size in chunks:
+            rows = slice(done, done + size)
+            meta = step_metadata([size], [done + size], [table.tolist()], slots[rows])
+            out.append(dense_attention(q[rows], k[rows], v[rows], cache, meta, 0.125, window))
+            done += size
+        outputs.append(torch.cat(out))
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+    cache = LayerKVCache(8, block_size, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+    meta = step_metadata([n], [n], [table.tolist()], slots)
+    ref = reference.paged_attention(q, k, v, cache, meta, 0.125, window)
+    assert (outputs[0].float() - ref.float()).abs().max() < 0.02
 
 
 @pytest.mark.parametrize("tokens", [1, 6])

@@ -132,7 +132,11 @@ class Kernels:
     gemm_int4_amx = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_bf16_amx_silu = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8_amx_silu = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int8_amx_widened = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int8_amx_widened_silu = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    # (gate_up, act, tokens, width, threads): act [tokens, width] = silu(gate) * up, as the _silu epilogues round
+    silu_and_mul_bf16 = Function("gemm", P, P, I64, I64, I32, restype=STATUS)
     moe_expert_available = Function("moe_expert", restype=ctypes.c_int)
     moe_expert_amx_available = Function("moe_expert", restype=ctypes.c_int)
     # (x, tokens, weights, m, gate_up, down, out, hidden, intermediate, threads)

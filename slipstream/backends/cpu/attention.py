@@ -1,10 +1,14 @@
-"""Attention kernels of the CPU backend: decode queries over a bf16 cache (kernels/paged_attention.c)
-and decode queries and prefill chunks over TurboQuant codes (kernels/turboquant_attention.c).
+"""Attention kernels of the CPU backend: queries over a bf16 cache (kernels/paged_attention.c) and
+decode queries and prefill chunks over TurboQuant codes (kernels/turboquant_attention.c).
 
-Each sequence reads its own blocks up to its own length, with no gather into a padded batch.
+Each query reads its own blocks up to its own length, with no gather into a padded batch.
 They plug into the torch paths as their `decode_kernel` / `prefill_kernel`
 (attention/reference.py, attention/turboquant.py), which attend whatever a kernel declines
-(returns None) and stay what the kernels are tested against.
+(returns None) and stay what the kernels are tested against. Batch-invariant backends take
+`dense_attention` instead: a prefill chunk's queries go through the decode kernel too, each as
+if it were the last token of its sequence, so a token's attention output is the same bits
+whether it was computed in a prefill chunk of any size, after a prefix-cache hit, after
+preemption, or as a decode token, where torch's SDPA blocks keys by the chunk's shape.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import ctypes
 
 import torch
 
+from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.backends.cpu import abi
 from slipstream.kvcache.turboquant import TurboQuantizer
@@ -23,12 +28,57 @@ def dense_decode(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,
     """Attention of decode queries q [B, Hq, D] over a bf16 cache; None where the kernel declines."""
     if q.dtype != torch.bfloat16 or cache.k.dtype != torch.bfloat16:
         return None
+    return _paged(q, cache, scale, window, meta.decode_block_tables, meta.decode_context_lens)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """attention/reference.py's `paged_attention` for a bf16 cache, every query q [T, Hq, D] -> [T, Hq, D]
+    in one call of the decode kernel after the step's K/V are written (the torch path where the
+    shapes are beyond it)."""
+    lib = abi.kernels()
+    kv_heads, _, block_size, dim = cache.k.shape
+    if (lib is None or q.dtype != torch.bfloat16 or cache.k.dtype != torch.bfloat16
+            or q.shape[1] // kv_heads > lib.paged_attention_max_group or dim > lib.paged_attention_max_head_dim
+            or block_size > lib.paged_attention_max_block):
+        return reference.paged_attention(q, k, v, cache, meta, scale, sliding_window)
+    cache.write(k, v, meta.slot_mapping)
+    return attend(q, cache, meta, scale, sliding_window)
+
+
+def attend(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    """Each query of q [T, Hq, D] over its own context in a bf16 cache that holds the step's K/V,
+    as the last token of that context: [T, Hq, D]. The caller checked the shapes."""
+    out = _paged(q, cache, scale, window, *query_tables(meta))
+    if out is None:
+        raise ValueError(f"paged attention declined {q.shape[1]} heads over {cache.k.shape[0]}, "
+                         f"head size {cache.k.shape[3]}")
+    return out
+
+
+def query_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token's block table [T, W] and context length [T] (its position + 1), once per step."""
+    key = "per-query tables"
+    if key not in meta.step_cache:
+        starts = meta.query_start
+        query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])])
+        first = torch.tensor(meta.context_lens) - query_lens  # tokens before each row's first query
+        offsets = torch.arange(starts[-1]) - torch.tensor(starts[:-1]).repeat_interleave(query_lens)
+        lens = first.repeat_interleave(query_lens) + offsets + 1
+        tables = meta.block_table.repeat_interleave(query_lens.to(meta.block_table.device), dim=0)
+        meta.step_cache[key] = (tables.contiguous(), lens.to(torch.int64).contiguous())
+    return meta.step_cache[key]
+
+
+def _paged(q: torch.Tensor, cache, scale: float, window: int | None, tables: torch.Tensor,
+           lens: torch.Tensor) -> torch.Tensor | None:
+    """Query row i of q over the first lens[i] tokens of block table row i, as the last of them."""
     q = q.contiguous()
     out = torch.empty_like(q)
     kv_heads, num_blocks, block_size, dim = cache.k.shape
     layer = abi.PagedAttention(cache.k.data_ptr(), cache.v.data_ptr(), num_blocks, window or 0, block_size,
                                q.shape[1], kv_heads, dim, scale)
-    batch = decode_batch(q.shape[0], meta.decode_block_tables, meta.decode_context_lens)
+    batch = decode_batch(q.shape[0], tables, lens)
     return out if abi.kernels().paged_decode_attention(layer, batch, q.data_ptr(), out.data_ptr()) == 0 else None
 
 

@@ -3,7 +3,8 @@
 Which paths run follows from the CpuCapability alone (flags, kernels built and for which
 ISA), so the choice is made once and can be tested for any CPU: attention on bf16 caches and
 on TurboQuant codes through the native kernels (backends/cpu/attention.py); bf16, int8 and
-int4 weights packed for kernels/gemm.c under one GemmPolicy (backends/cpu/linear.py); MoE
+int4 weights packed for kernels/gemm.c under one GemmPolicy (backends/cpu/linear.py), which is
+batch-invariant by default where that costs nothing (no AMX) and on request (`deterministic`); MoE
 experts on kernels/moe_expert.c (backends/cpu/moe.py); the fused decode stack
 (backends/cpu/decode_stack.py); otherwise the reference's torch paths.
 """
@@ -16,11 +17,11 @@ from torch import nn
 
 from slipstream.attention import reference, turboquant
 from slipstream.backends.base import AttentionImpl
-from slipstream.backends.cpu.attention import dense_decode, turboquant_decode, turboquant_prefill
+from slipstream.backends.cpu.attention import dense_attention, dense_decode, turboquant_decode, turboquant_prefill
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
-from slipstream.backends.cpu.linear import (AMX_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy, NativeBf16,
-                                            NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
+from slipstream.backends.cpu.linear import (INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy,
+                                            NativeBf16, NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
 from slipstream.backends.cpu.moe import NATIVE_MIN_TOKENS, UPCAST_MIN_TOKENS, CpuExperts
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
@@ -30,10 +31,14 @@ from slipstream.layers.moe import Experts, ExpertsMethod
 
 
 class CpuBackend(ReferenceBackend):
-    def __init__(self, capability: CpuCapability):
+    def __init__(self, capability: CpuCapability, deterministic: bool | None = None):
+        """deterministic: batch-invariant kernels (True), the fastest (False), or invariant where
+        that is free (None: without AMX; on AMX the fast paths' row-count choices win up to 2x)."""
         super().__init__(torch.device("cpu"))
         self.capability = capability
-        self.policy = GemmPolicy(amx=capability.amx_kernels)
+        self.batch_invariant = capability.gemm and (not capability.amx_kernels if deterministic is None
+                                                    else deterministic)
+        self.policy = GemmPolicy(amx=capability.amx_kernels, invariant=self.batch_invariant)
         upcast = not capability.amx  # without AMX, float32 GEMMs beat oneDNN's bf16 on large batches
         self.native = {None: NativeBf16(self.policy, upcast), "int8": NativeInt8(self.policy),
                        "int4": NativeInt4(self.policy)}
@@ -51,7 +56,8 @@ class CpuBackend(ReferenceBackend):
                 return functools.partial(turboquant.paged_attention, decode_kernel=turboquant_decode,
                                          prefill_kernel=turboquant_prefill)
             if isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16:
-                return functools.partial(reference.paged_attention, decode_kernel=dense_decode)
+                return dense_attention if self.batch_invariant else functools.partial(reference.paged_attention,
+                                                                                      decode_kernel=dense_decode)
         return super().attention(cache)
 
     def linear_method(self, layer: Linear, fmt: str | None) -> LinearMethod:
@@ -69,18 +75,23 @@ class CpuBackend(ReferenceBackend):
 
     def describe(self) -> list[str]:
         cap, native = self.capability, self.capability.kernels is not None
+        prefill = "paged_attention.c for every query" if self.batch_invariant else "native decode kernels"
         return [f"backend {self.name}: {cap.summary()}",
-                "attention: " + ("native decode kernels on bf16 caches; TurboQuant codes natively for decode and "
-                                 "prefill over a cached prefix; torch for other prefill" if native else "torch"),
-                "linear: " + _linear_policy(cap),
+                "attention: " + (f"{prefill} on bf16 caches; TurboQuant codes natively for decode and prefill over a "
+                                 "cached prefix; torch for other prefill" if native else "torch"),
+                "linear: " + _linear_policy(cap, self.policy),
                 "MoE experts: " + _experts_policy(self.experts),
-                "decode stack: " + _decode_stack_policy(cap)]
+                "decode stack: " + (_decode_stack_policy(self.policy) if cap.gemm else "none (the per-layer torch path)"),
+                "batch invariance: " + _invariance(cap, self.batch_invariant)]
 
 
-def _linear_policy(cap: CpuCapability) -> str:
+def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
     if cap.amx_kernels:
-        rows = ", ".join(f"{fmt} from {n}" for fmt, n in AMX_MIN_ROWS.items())
-        return f"packed weights on AMX tiles ({rows} rows), AVX-512 loops below (kernels/gemm.c)"
+        rows = ", ".join(f"{fmt} from {n}" for fmt, n in policy.amx_min_rows.items())
+        widened = "" if policy.invariant else f", int8 widened to bf16 tiles from {INT8_WIDEN_MIN_ROWS}"
+        return f"packed weights on AMX tiles ({rows} rows{widened}), AVX-512 loops below (kernels/gemm.c)"
+    if cap.gemm and policy.invariant:
+        return "packed weights on AVX-512 loops (kernels/gemm.c) for every row count"
     if cap.gemm:
         return (f"packed weights on AVX-512 loops (kernels/gemm.c) below {NATIVE_MAX_ROWS} rows in bf16, "
                 f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")
@@ -88,10 +99,18 @@ def _linear_policy(cap: CpuCapability) -> str:
     return f"oneDNN packed bf16 weights below {UPCAST_MIN_ROWS} rows, {upcast}; int8/int4 on PyTorch's kernels"
 
 
-def _decode_stack_policy(cap: CpuCapability) -> str:
-    if not cap.gemm:
-        return "none (the per-layer torch path)"
-    return "decoder_layer.c for every all-decode step" + ("" if cap.amx_kernels else f" below {UPCAST_MIN_ROWS} tokens")
+def _decode_stack_policy(policy: GemmPolicy) -> str:
+    most = policy.decode_stack_max_tokens()
+    return "decoder_layer.c for every all-decode step" + ("" if most is None else f" below {most} tokens")
+
+
+def _invariance(cap: CpuCapability, invariant: bool) -> str:
+    if invariant:
+        return "on: bf16, int8 and int4 weights on bf16 KV caches (not MoE experts, TurboQuant caches or float32)"
+    if cap.gemm:
+        return ("off: --deterministic turns it on (one GEMM kernel per layer at every row count, prefill "
+                "attention through the decode kernel: 0.5-0.8x prefill, 0.6-0.7x int4 decode on AMX)")
+    return "none (PyTorch's GEMMs and SDPA block their sums by shape)"
 
 
 def _experts_policy(experts: CpuExperts) -> str:

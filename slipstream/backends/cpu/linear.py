@@ -15,10 +15,17 @@ Without AMX, measured on one core of the development machine (AVX512-BF16, no AM
   `F.linear` on the plain weight at 1-16 rows. The plain weight stays for the upcast path.
 
 With AMX, the tile kernels of kernels/gemm.c read the same packed weights from AMX_MIN_ROWS
-rows on, at every larger size (`GemmPolicy` is the whole policy; the measurements are at
-AMX_MIN_ROWS). Large bf16 batches of shapes they cannot tile go to oneDNN, which uses AMX
-itself, so nothing upcasts to fp32 there. int8 and int4 codes (layers/quantization.py) get
-packed copies for the same kernels; rows the policy gives no native kernel take PyTorch's.
+rows on, at every larger size. Large bf16 batches of shapes they cannot tile go to oneDNN,
+which uses AMX itself. int8 and int4 codes (layers/quantization.py) get packed copies for
+the same kernels; rows the policy gives no native kernel take PyTorch's.
+
+Batch invariance (`GemmPolicy(invariant=True)`): a row's product must not depend on how many
+rows share the call, so every packed layer keeps one reduction order at every row count, never
+a library GEMM or an fp32 upcast that blocks K by M. AMX's bf16 dot products do not round as
+the AVX-512 FMAs do, so bf16 and int4 (whose AMX kernel widens codes to bf16) take the tiles
+from one row; int8 takes exact integer sums of 16-bit fixed-point activations on both, added
+to float32 in the same chunks (never widened to bf16), so it may switch by rows. Without AMX
+the AVX-512 loops at 512 rows (107-120 GFLOP/s) beat the upcast (95-108), so it is free there.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from slipstream.layers.quantization import Int4, Int8
 
 UPCAST_MIN_ROWS = 128
 NATIVE_MAX_ROWS = 256
+INT8_WIDEN_MIN_ROWS = 128  # int8 on AMX: codes widened to bf16 tiles beat the integer tiles from here
 # From how many rows the AMX tile kernels beat the AVX-512 loops, per weight format, and the
 # multiple of K they tile. benchmarks/gemm.py on the AMX machine (1 thread, cold weights,
 # GFLOP/s AVX-512 / AMX) for SmolLM2's qkv, o, gate_up, down: bf16 at 4 rows 40/52, 37/32,
@@ -38,30 +46,37 @@ NATIVE_MAX_ROWS = 256
 # 47/39 and at 8 rows 81/135, 67/78, 79/78, 69/76; int4 at 8 rows 83/68, 61/60, 78/69, 63/56
 # and at 16 rows 91/147, 80/105, 97/122, 78/120. One row streams weights equally fast either way.
 AMX_MIN_ROWS = {"bf16": 8, "int8": 8, "int4": 16}
+INVARIANT_AMX_MIN_ROWS = {"bf16": 1, "int8": 8, "int4": 1}  # their AMX and AVX-512 sums round differently
 AMX_K_MULTIPLE = {"bf16": 32, "int8": 64, "int4": 32}
 
 
 class GemmPolicy:
-    """Which kernel of kernels/gemm.c multiplies how many rows, on a CPU with or without usable AMX tiles."""
+    """Which kernel of kernels/gemm.c multiplies how many rows, on a CPU with or without usable
+    AMX tiles; `invariant`: each row's product the same bits at any row count."""
 
-    def __init__(self, amx: bool):
-        self.amx = amx
+    def __init__(self, amx: bool, invariant: bool):
+        self.amx, self.invariant = amx, invariant
+        self.amx_min_rows = INVARIANT_AMX_MIN_ROWS if invariant else AMX_MIN_ROWS
 
     def kernel(self, fmt: str, rows: int, k: int) -> str | None:
         """For `rows` rows times a packed `fmt` weight ("bf16", "int8", "int4") of K input
-        features: "amx", "avx512", or None when a torch path is faster."""
+        features: "amx", "amx_widened" (int8 codes as bf16 tiles), "avx512", or None when a torch
+        path is faster (never when invariant)."""
         if self.amx_serves(fmt, rows) and k % AMX_K_MULTIPLE[fmt] == 0:
-            return "amx"
-        return "avx512" if rows < (NATIVE_MAX_ROWS if fmt == "bf16" else UPCAST_MIN_ROWS) else None
+            widen = fmt == "int8" and not self.invariant and rows >= INT8_WIDEN_MIN_ROWS
+            return "amx_widened" if widen else "amx"
+        if self.invariant or rows < (NATIVE_MAX_ROWS if fmt == "bf16" else UPCAST_MIN_ROWS):
+            return "avx512"
+        return None
 
     def amx_serves(self, fmt: str, rows: int) -> bool:
         """Whether the AMX kernels take `rows` rows of `fmt` weights whose K they can tile."""
-        return self.amx and rows >= AMX_MIN_ROWS[fmt]
+        return self.amx and rows >= self.amx_min_rows[fmt]
 
     def decode_stack_max_tokens(self) -> int | None:
         """Decode batches from this many tokens leave the fused stack: without AMX the AVX-512
-        GEMMs lose to the fp32 upcast there; the AMX kernels serve every size (None)."""
-        return None if self.amx else UPCAST_MIN_ROWS
+        GEMMs lose to the fp32 upcast there, unless invariance keeps them (None: every size)."""
+        return None if self.amx or self.invariant else UPCAST_MIN_ROWS
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcast: bool) -> torch.Tensor:
@@ -119,10 +134,12 @@ class NativeBf16(LinearMethod):
         return out if layer.bias is None else out.add_(layer.bias)
 
     def fused_silu(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        if (layer.bias is None and layer.out_features % 32 == 0 and x.dtype == torch.bfloat16
+        if x.dtype != torch.bfloat16:
+            return None
+        if (layer.bias is None and layer.out_features % 32 == 0
                 and self.policy.kernel("bf16", x.shape[0], layer.in_features) == "amx"):
             return native_matmul(x, layer.packed, kernel="amx", silu=True)
-        return None
+        return native_silu_and_mul(self.apply(layer, x))
 
     def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
         return abi.Weight(lib.weight_kind_bf16, layer.packed.data_ptr(), None, None, layer.out_features)
@@ -141,9 +158,12 @@ class _NativeCodes:
         return out if layer.bias is None else out + layer.bias
 
     def fused_silu(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        if self._kernel(layer, x) != "amx" or layer.bias is not None or layer.packed.shape[0] % 2:
+        kernel = self._kernel(layer, x)
+        if kernel is None:
             return None
-        return self.native_mm(layer, x, "amx", silu=True)
+        if kernel.startswith("amx") and layer.bias is None and layer.packed.shape[0] % 2 == 0:
+            return self.native_mm(layer, x, kernel, silu=True)
+        return native_silu_and_mul(self.apply(layer, x))
 
     def _kernel(self, layer: Linear, x: torch.Tensor) -> str | None:
         return self.policy.kernel(self.name, x.shape[0], layer.in_features) if x.dtype == torch.bfloat16 else None
@@ -198,6 +218,16 @@ class NativeInt4(_NativeCodes, Int4):
                           layer.packed_low.data_ptr(), layer.out_features)
 
 
+def native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused projection's bf16 output [M, 2I], rounded as the AMX kernels'
+    fused epilogue rounds (kernels/gemm.c), so that a token's activation is the same bits
+    whichever kernel its step's row count picked."""
+    tokens, width = gate_up.shape[0], gate_up.shape[1] // 2
+    act = gate_up.new_empty(tokens, width)
+    abi.kernels().silu_and_mul_bf16(gate_up.contiguous().data_ptr(), act.data_ptr(), tokens, width, abi.threads())
+    return act
+
+
 def native_fits(layer: Linear, fmt: str | None) -> bool:
     """Whether kernels/gemm.c can tile `layer` in format `fmt` (None: bf16 as loaded): a bf16
     CPU weight, N a multiple of 16, K of 2 (int8: of 4, for its quads)."""
@@ -221,17 +251,17 @@ def pack_quads(codes: torch.Tensor) -> torch.Tensor:
 
 def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
                   low: torch.Tensor | None = None, kernel: str = "avx512", silu: bool = False) -> torch.Tensor:
-    """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512" or
-    "amx", see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8 codes with a float32
-    `scale` per output column (`pack_quads`), or 4-bit codes with `scale` and `low` per group
-    and column (`NativeInt4._pack`). With `silu` (AMX only) the weight is a fused [gate; up]
+    """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512", "amx"
+    or, for int8, "amx_widened": see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8
+    codes with a float32 `scale` per output column (`pack_quads`), or 4-bit codes with `scale`
+    and `low` per group and column (`NativeInt4._pack`). With `silu` (AMX only) the weight is a fused [gate; up]
     projection and the result silu(gate) * up, [M, N/2]."""
     x = x.contiguous()
     blocks, k = packed.shape[0], x.shape[1]
     out = x.new_empty(x.shape[0], blocks * (8 if silu else 16))
     lib = abi.kernels()
     args = (out.data_ptr(), x.shape[0], blocks * 16, k, abi.threads())
-    suffix = ("_amx" if kernel == "amx" else "") + ("_silu" if silu else "")
+    suffix = ("" if kernel == "avx512" else "_" + kernel) + ("_silu" if silu else "")
     if packed.dtype == torch.bfloat16:
         status = getattr(lib, "gemm_bf16" + suffix)(x.data_ptr(), packed.data_ptr(), *args)
     elif low is None:

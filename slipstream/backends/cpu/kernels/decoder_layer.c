@@ -6,8 +6,8 @@
 // calling them one by one from Python (module calls, ctypes argument conversion, tensor
 // allocation) cost more than reading the weights. This file strings together the same
 // kernels the torch path calls (they are included below), rounding every intermediate to
-// bf16 where the torch path does, so the two paths agree bit for bit except where SiLU's
-// exp differs from torch's in the last float bit.
+// bf16 where the torch path does, so the two paths agree bit for bit (batch invariance: a
+// decode token's output does not depend on whether its step took this path).
 #include <math.h>
 #include <stdlib.h>
 
@@ -72,18 +72,6 @@ static void add_residual(uint16_t *x, const uint16_t *delta, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(delta[i]));
 }
 
-// act[t] = silu(gate) * up, each rounded to bf16 as torch rounds F.silu(gate) and then the product
-static void silu_and_mul(const uint16_t *gate_up, uint16_t *act, int64_t tokens, int64_t width) {
-    for (int64_t t = 0; t < tokens; t++) {
-        const uint16_t *gate = gate_up + t * 2 * width, *up = gate + width;
-        for (int64_t i = 0; i < width; i++) {
-            float g = bf16_to_float(gate[i]);
-            float silu = bf16_to_float(float_to_bf16(g / (1.f + expf(-g))));
-            act[t * width + i] = float_to_bf16(silu * bf16_to_float(up[i]));
-        }
-    }
-}
-
 static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t *normed, uint16_t *qkv,
                            uint16_t *q, uint16_t *attn, uint16_t *delta) {
     int64_t m = s->tokens, q_size = (int64_t)l->q_heads * l->head_dim, kv_size = (int64_t)l->kv_heads * l->head_dim;
@@ -104,8 +92,9 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
     return 0;
 }
 
-// act = silu(gate) * up: in the AMX kernel's epilogue where it serves this step (as the torch
-// path's layers/linear.py `silu_and_mul` does), else the projection and `silu_and_mul`.
+// act = silu(gate) * up: in the AMX kernel's epilogue where it serves this step, else the
+// projection and gemm.c's `silu_and_mul_bf16`, which round alike (as the torch path's
+// layers/linear.py `silu_and_mul` calls them).
 static int gated_projection(const Layer *l, const Step *s, const uint16_t *x, uint16_t *gate_up, uint16_t *act) {
     const Weight *w = &l->gate_up;
     int64_t m = s->tokens, k = l->hidden;
@@ -115,8 +104,7 @@ static int gated_projection(const Layer *l, const Step *s, const uint16_t *x, ui
             case WEIGHT_INT4: return gemm_int4_amx_silu(x, w->weight, w->scale, w->low, act, m, w->n, k, s->threads);
         }
     if (project(w, s, x, gate_up, k)) return -1;
-    silu_and_mul(gate_up, act, m, l->intermediate);
-    return 0;
+    return silu_and_mul_bf16(gate_up, act, m, l->intermediate, s->threads);
 }
 
 static int mlp_block(const Layer *l, const Step *s, uint16_t *x, uint16_t *normed, uint16_t *gate_up,

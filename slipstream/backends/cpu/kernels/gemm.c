@@ -132,6 +132,24 @@ int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t 
     return 0;
 }
 
+// act [tokens][width] = silu(gate) * up of a fused projection's output [tokens][gate | up] (width
+// each), rounded as the AMX kernels' `_silu` epilogue rounds (vector_math.h). Returns 0.
+int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, int64_t width, int threads) {
+#pragma omp parallel for num_threads(threads) if (tokens > 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *gate = gate_up + t * 2 * width, *up = gate + width;
+        for (int64_t i = 0; i < width; i += 16) {
+            uint16_t g[16] = {0}, u[16] = {0}, out[16];  // the last 16 may be partial
+            int count = width - i < 16 ? (int)(width - i) : 16;
+            memcpy(g, gate + i, count * sizeof(uint16_t));
+            memcpy(u, up + i, count * sizeof(uint16_t));
+            _mm256_storeu_si256((__m256i *)out, silu_and_mul_bf16x16(widen16(g), widen16(u)));
+            memcpy(act + t * width + i, out, count * sizeof(uint16_t));
+        }
+    }
+    return 0;
+}
+
 // --- int8: w = q * scale per output column ------------------------------------------------
 // Integer arithmetic: each row of x becomes 16-bit fixed point (x = xq * row_scale, |xq| <=
 // 32767: an error below 1/65534 of the row's largest value, far under bf16's own rounding of
@@ -203,7 +221,7 @@ static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, c
     for (int j = 0; j < nr; j++) {
         __m512 s = _mm512_loadu_ps(scale + 16 * j);
         for (int i = 0; i < mr; i++)
-            store_bf16(y + i * n + 16 * j, _mm512_mul_ps(total[i][j], _mm512_mul_ps(s, _mm512_set1_ps(row_scale[i]))));
+            store_bf16(y + i * n + 16 * j, _mm512_mul_ps(total[i][j], opaque(_mm512_mul_ps(s, _mm512_set1_ps(row_scale[i])))));
     }
 }
 
@@ -358,29 +376,25 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
 // block over the panel while it is in cache.
 // - bf16: W's packed pairs are B tiles as they lie; float32 sums like the FMA loop's, in
 //   another order.
-// - int8, below INT8_WIDEN_MIN_ROWS rows: x in 16-bit fixed point as for `gemm_int8`, split into
+// - int8: x in 16-bit fixed point as for `gemm_int8`, split into
 //   a signed high byte and an unsigned low byte (xq = 256 hi + lo, the bytes of each quad
 //   permuted as the codes are); `tdpbssd` (hi) and `tdpbusd` (lo) against the codes as they lie
-//   give exact int32 sums, joined in float32 once at the end. Two sums per block of 16 x 16, so
-//   a block is 16 rows x 32 columns.
-// - int8 from INT8_WIDEN_MIN_ROWS rows, and int4: a panel's codes are first widened into a
+//   give exact int32 sums, joined and added to float32 per chunk of K as `tile_int8` adds
+//   them, so the two give the same bits. Two sums per block of 16 x 16, so
+//   a block is 16 rows x 32 columns. The sums are `gemm_int8`'s to the bit, at every row count
+//   (batch invariance).
+// - int8 widened (`gemm_int8_amx_widened`), and int4: a panel's codes are first widened into a
 //   per-thread buffer in the bf16 pair layout, then multiplied as bf16 with x as it is: int8
-//   codes exactly (the scale applied per column at the end), int4 as bf16 values q * scale + low
+//   codes exactly (the column scale applied at the end), int4 as bf16 values q * scale + low
 //   (computed in float32 and rounded once: a relative error up to 2^-9 of each weight, under a
-//   tenth of its 4-bit step).
+//   tenth of its 4-bit step). Neither is the AVX-512 loops' arithmetic, so the batch-invariant
+//   policy takes int4's tiles at every row count and never the widened int8 ones.
 // Each has a `_silu` form for a fused gate/up projection, W = [gate; up] of 2I rows: a panel
-// pairs gate block j with up block j + I/16, and the epilogue writes silu(gate) * up (float32,
-// rounded to bf16 once) into y [M][I], where torch rounded gate, up, silu and the product.
+// pairs gate block j with up block j + I/16, and the epilogue writes silu(gate) * up into y
+// [M][I], rounded as `silu_and_mul_bf16` rounds the unfused projection's output.
 // K must be a multiple of 32 (bf16, int4) or 64 (int8); other shapes keep the loops above.
 #ifdef HAVE_AMX
 
-// int8 rows from which widening codes to bf16 beats the integer tiles, where converting x to
-// fixed point, splitting it and two sums per tile cost more than widening a panel once for
-// many rows. Either path against bf16 tiles on the same shape (one thread, best of 40, AMX
-// machine), M x N x K: 64 x 3072 x 576 widened 0.93x, integer 1.23x; 128 x 3072 x 576 0.87x /
-// 0.97x; 128 x 576 x 1536 1.01x / 0.68x; 128 x 960 x 576 0.70x / 0.69x; at 256 rows 1.0-1.07x /
-// 0.73-0.88x; at 512 the integer tiles 0.60-0.91x.
-#define INT8_WIDEN_MIN_ROWS 128
 
 int gemm_amx_available(void) { return amx_ready(); }
 
@@ -402,7 +416,7 @@ static inline void store_row(uint16_t *y, __m512 first, __m512 second, int cols,
         if (cols == 2) second = _mm512_mul_ps(second, _mm512_loadu_ps(e->scale + 16));
     }
     if (e->silu)
-        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(silu_times(first, second)));
+        _mm256_storeu_si256((__m256i *)y, silu_and_mul_bf16x16(first, second));
     else if (cols == 2)
         _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(second, first));
     else
@@ -474,28 +488,22 @@ int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y,
     return gemm_bf16_tiles(x, w_packed, y, m, n, k, threads, 1);
 }
 
-// (256 hi + lo) * scale[col] * row_scale for 16 columns of row r.
-static inline __m512 split_sum(const int32_t *hi, const int32_t *lo, int r, float row_scale, const float *scale) {
-    __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(hi + 16 * r)), _mm512_set1_ps(256.f),
-                                   _mm512_cvtepi32_ps(_mm512_load_si512(lo + 16 * r)));
-    return _mm512_mul_ps(total, _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(row_scale)));
-}
-
-// int8: one row tile (rows <= 16) of split bytes [rows][k] times one or two column blocks of codes.
-static inline __attribute__((always_inline)) void amx_int8_tiles(const int8_t *hi, const uint8_t *lo, int64_t k,
-                                                                 const int8_t *w0, const int8_t *w1, int cols,
-                                                                 int32_t (*sums)[256]) {
+// int8: one row tile (rows <= 16) of split bytes [rows][stride] times one or two column blocks
+// of codes over `steps` steps of 64 K.
+static inline __attribute__((always_inline)) void amx_int8_tiles(const int8_t *hi, const uint8_t *lo, int64_t stride,
+                                                                 int64_t steps, const int8_t *w0, const int8_t *w1,
+                                                                 int cols, int32_t (*sums)[256]) {
     _tile_zero(0);
     _tile_zero(2);
     if (cols == 2) {
         _tile_zero(1);
         _tile_zero(3);
     }
-    for (int64_t s = 0; s < k / 64; s++) {
+    for (int64_t s = 0; s < steps; s++) {
         _tile_loadd(6, w0 + s * 1024, 64);
         if (cols == 2) _tile_loadd(7, w1 + s * 1024, 64);
-        _tile_loadd(4, hi + s * 64, k);
-        _tile_loadd(5, lo + s * 64, k);
+        _tile_loadd(4, hi + s * 64, stride);
+        _tile_loadd(5, lo + s * 64, stride);
         _tile_dpbssd(0, 4, 6);
         _tile_dpbusd(2, 5, 6);
         if (cols == 2) {
@@ -511,6 +519,15 @@ static inline __attribute__((always_inline)) void amx_int8_tiles(const int8_t *h
     }
 }
 
+// totals += the exact int32 sums 256 hi + lo of one K chunk, as float32: `tile_int8` adds its
+// sums to float32 after the same chunks of 2 INT8_FLUSH K steps, so both give the same bits.
+static inline void add_chunk(float *totals, const int32_t *hi, const int32_t *lo, int count) {
+    for (int i = 0; i < count; i += 16) {
+        __m512i exact = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi + i), 8), _mm512_load_si512(lo + i));
+        _mm512_store_ps(totals + i, _mm512_add_ps(_mm512_load_ps(totals + i), _mm512_cvtepi32_ps(exact)));
+    }
+}
+
 // scale0, scale1: the columns' scales of the two blocks (silu: gate's and up's).
 static void amx_int8_block(const int8_t *hi, const uint8_t *lo, const float *row_scale, int rows, int64_t k,
                            const int8_t *w0, const int8_t *w1, const float *scale0, const float *scale1, int cols,
@@ -518,12 +535,22 @@ static void amx_int8_block(const int8_t *hi, const uint8_t *lo, const float *row
     uint8_t shape[8] = {rows, rows, rows, rows, rows, rows, 16, 16};
     configure_tiles(shape, config);
     int32_t sums[4][256] __attribute__((aligned(64)));
-    if (cols == 2) amx_int8_tiles(hi, lo, k, w0, w1, 2, sums);
-    else amx_int8_tiles(hi, lo, k, w0, w1, 1, sums);
-    Epilogue scaled = {NULL, e->silu};  // the scales are in split_sum
-    for (int r = 0; r < rows; r++)
-        store_row(y + r * n, split_sum(sums[0], sums[2], r, row_scale[r], scale0),
-                  cols == 2 ? split_sum(sums[1], sums[3], r, row_scale[r], scale1) : _mm512_setzero_ps(), cols, &scaled);
+    float totals[2][256] __attribute__((aligned(64))) = {{0}};
+    for (int64_t first = 0; first < k; first += 2 * INT8_FLUSH) {
+        int64_t steps = (k - first < 2 * INT8_FLUSH ? k - first : 2 * INT8_FLUSH) / 64;
+        if (cols == 2) amx_int8_tiles(hi + first, lo + first, k, steps, w0 + first * 16, w1 + first * 16, 2, sums);
+        else amx_int8_tiles(hi + first, lo + first, k, steps, w0 + first * 16, w1 + first * 16, 1, sums);
+        for (int c = 0; c < cols; c++) add_chunk(totals[c], sums[c], sums[c + 2], 16 * rows);
+    }
+    Epilogue scaled = {NULL, e->silu};  // the scales are applied here
+    for (int r = 0; r < rows; r++) {
+        __m512 first = _mm512_mul_ps(_mm512_load_ps(totals[0] + 16 * r),
+                                     opaque(_mm512_mul_ps(_mm512_loadu_ps(scale0), _mm512_set1_ps(row_scale[r]))));
+        __m512 second = cols == 2 ? _mm512_mul_ps(_mm512_load_ps(totals[1] + 16 * r),
+                                                  opaque(_mm512_mul_ps(_mm512_loadu_ps(scale1), _mm512_set1_ps(row_scale[r]))))
+                                  : _mm512_setzero_ps();
+        store_row(y + r * n, first, second, cols, &scaled);
+    }
 }
 
 // Fixed-point rows as signed high and unsigned low bytes, each quad of K steps in the codes'
@@ -657,12 +684,37 @@ static int gemm_widened(const uint16_t *x, const Codes *codes, const float *colu
     return failed ? -1 : 0;
 }
 
+static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low,
+                           uint16_t *y, int64_t m, int64_t n, int64_t k, int threads, int silu) {
+    if (n % (silu ? 32 : 16) || k % GROUP || !amx_ready()) return -1;
+    Codes codes = {w_packed, scale, low};
+    return gemm_widened(x, &codes, NULL, y, m, n, k, threads, silu);
+}
+
+// int8 codes widened to bf16 tiles, the column scale applied at the end: 1.0-1.4x the integer
+// tiles from 128 rows, but a row's sums then depend on the kernel its row count picked, so the
+// batch-invariant policy never takes it.
+static int gemm_int8_widened(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                             int64_t n, int64_t k, int threads, int silu) {
+    if (n % (silu ? 32 : 16) || k % 64 || !amx_ready()) return -1;
+    Codes codes = {w_packed, NULL, NULL};
+    return gemm_widened(x, &codes, scale, y, m, n, k, threads, silu);
+}
+
+int gemm_int8_amx_widened(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                          int64_t n, int64_t k, int threads) {
+    return gemm_int8_widened(x, w_packed, scale, y, m, n, k, threads, 0);
+}
+
+int gemm_int8_amx_widened_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                               int64_t n, int64_t k, int threads) {
+    return gemm_int8_widened(x, w_packed, scale, y, m, n, k, threads, 1);
+}
+
 static int gemm_int8_tiles(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
                            int64_t n, int64_t k, int threads, int silu) {
     if (n % (silu ? 32 : 16) || k % 64 || !amx_ready()) return -1;
-    if (m < INT8_WIDEN_MIN_ROWS) return gemm_int8_split(x, w_packed, scale, y, m, n, k, threads, silu);
-    Codes codes = {w_packed, NULL, NULL};
-    return gemm_widened(x, &codes, scale, y, m, n, k, threads, silu);
+    return gemm_int8_split(x, w_packed, scale, y, m, n, k, threads, silu);
 }
 
 // Returns 0, or -1 when N % 16 or K % 64 is not zero, AMX is unavailable or memory runs out.
@@ -676,13 +728,6 @@ int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale,
 int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
                        int64_t n, int64_t k, int threads) {
     return gemm_int8_tiles(x, w_packed, scale, y, m, n, k, threads, 1);
-}
-
-static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low,
-                           uint16_t *y, int64_t m, int64_t n, int64_t k, int threads, int silu) {
-    if (n % (silu ? 32 : 16) || k % GROUP || !amx_ready()) return -1;
-    Codes codes = {w_packed, scale, low};
-    return gemm_widened(x, &codes, NULL, y, m, n, k, threads, silu);
 }
 
 // Returns 0, or -1 when N % 16 or K % 32 is not zero, AMX is unavailable or memory runs out.
@@ -700,6 +745,11 @@ int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *
 #endif
 #else
 int gemm_bf16_available(void) { return 0; }
+
+int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, int64_t width, int threads) {
+    (void)gate_up, (void)act, (void)tokens, (void)width, (void)threads;
+    return -1;
+}
 
 // built without AVX-512: gemm_bf16_available() tells callers to keep PyTorch's kernels
 int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
@@ -744,6 +794,16 @@ int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y,
 
 int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
                        int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int8_amx_widened(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                          int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int8_amx_widened_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
+                               int64_t n, int64_t k, int threads) {
     return -1;
 }
 

@@ -26,6 +26,33 @@ static inline __m512 silu_times(__m512 gate, __m512 up) {
     return _mm512_mul_ps(_mm512_mul_ps(gate, sig), up);
 }
 
+// v as a value the compiler cannot see into: the kernels build with -fassociative-math, which
+// lets it regroup a * (b * c) as (a * b) * c in one function and not in another; where two
+// kernels must give the same bits (batch invariance), their last products go through this.
+static inline __m512 opaque(__m512 v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
+// float32 -> the nearest bf16 (ties to even), kept as float32: a bf16 store and reload.
+static inline __m512 round_bf16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xFFFF0000)));
+}
+
+// silu(gate) * up as 16 bf16, rounding where the unfused torch ops round: gate and up to bf16
+// (as a GEMM stores them), silu, then the product. Every native path of a dense MLP computes its
+// activation here, fused in a GEMM's epilogue or not, so a token's activation is the same bits
+// whichever path its step took (batch invariance).
+static inline __m256i silu_and_mul_bf16x16(__m512 gate, __m512 up) {
+    __m512 g = round_bf16(gate), one = _mm512_set1_ps(1.f);
+    __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    __m512 product = round_bf16(_mm512_mul_ps(silu, round_bf16(up)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(product), 16));
+}
+
 static inline void transpose16(__m512 r[16]) {  // r[i][j] <- r[j][i]
     __m512 t[16];
     for (int i = 0; i < 16; i += 2) {
