@@ -1,8 +1,49 @@
-"""CudaBackend: the reference paths on a CUDA device, until GPU kernels replace them one by one."""
+"""CudaBackend: Triton kernels where triton is installed and the cache dtype has one, the reference
+paths elsewhere.
+
+Attention over dense caches runs one Triton kernel per step (backends/cuda/attention.py);
+everything else is still the reference's torch on the GPU. The kernel modules import triton,
+so they are imported on first use, never here: without triton the backend says so and runs
+the torch paths.
+"""
 from __future__ import annotations
 
+import importlib.util
+
+import torch
+
+from slipstream.backends.base import AttentionImpl
 from slipstream.backends.reference import ReferenceBackend
+from slipstream.kvcache.cache import LayerKVCache
+
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+FP8_MIN_CAPABILITY = (8, 9)  # Triton's float8e4nv needs Ada or Hopper
 
 
 class CudaBackend(ReferenceBackend):
     name = "cuda"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.triton = importlib.util.find_spec("triton") is not None
+
+    def attention(self, cache) -> AttentionImpl:
+        if self.triton and isinstance(cache, LayerKVCache) and self._triton_reads(cache.k.dtype):
+            from slipstream.backends.cuda.attention import dense_attention
+
+            return dense_attention
+        return super().attention(cache)
+
+    def _triton_reads(self, dtype: torch.dtype) -> bool:
+        if dtype == torch.float8_e4m3fn and self.device.type == "cuda":
+            return torch.cuda.get_device_capability(self.device) >= FP8_MIN_CAPABILITY
+        return dtype in TRITON_DTYPES
+
+    def describe(self) -> list[str]:
+        where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
+        if not self.triton:
+            return [f"backend {self.name}: plain torch on {where} (triton is not installed: pip install '.[gpu]')",
+                    "attention: torch; linear: F.linear"]
+        return [f"backend {self.name}: Triton kernels on {where}",
+                "attention: one Triton kernel per step over dense caches (bf16/fp16/fp32, fp8 from sm89); "
+                "torch on TurboQuant codes; linear: F.linear"]

@@ -1,0 +1,43 @@
+"""What the GPU kernel tests share: the device, lazily imported kernel modules, and random steps
+(ragged rows over shuffled block tables) as the model runner lays them out."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from tests.conftest import step_metadata
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def kernels(name: str):
+    """A kernel module of backends/cuda, checked to run where conftest.py says: the interpreter off a GPU."""
+    module = importlib.import_module(f"slipstream.backends.cuda.{name}")
+    if DEVICE.type == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        jitted = [v for v in vars(module).values() if type(v).__name__ in ("JITFunction", "InterpretedFunction")]
+        assert jitted and all(isinstance(f, InterpretedFunction) for f in jitted), \
+            f"{name}'s kernels were decorated before TRITON_INTERPRET=1 was set"
+    return module
+
+
+def random_step(rows: list[tuple[int, int]], block_size: int, num_blocks: int, seed: int = 0):
+    """rows: (new tokens, context length after the step) per row, one-token rows first. Returns the
+    step's metadata over block tables drawn from a shuffled pool, as after frees and reuse."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots = [], []
+    for n, context in rows:
+        blocks = [order.pop() for _ in range(-(-context // block_size))]
+        tables.append(blocks)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(context - n, context)]
+    meta = step_metadata([n for n, _ in rows], [c for _, c in rows], tables, slots)
+    return to_device(meta)
+
+
+def to_device(meta):
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_table"):
+        setattr(meta, name, getattr(meta, name).to(DEVICE))
+    return meta
