@@ -26,15 +26,19 @@ def kernels(name: str):
 def random_step(rows: list[tuple[int, int]], block_size: int, num_blocks: int, seed: int = 0):
     """rows: (new tokens, context length after the step) per row, one-token rows first. Returns the
     step's metadata over block tables drawn from a shuffled pool, as after frees and reuse."""
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables, slots = [], []
-    for n, context in rows:
-        blocks = [order.pop() for _ in range(-(-context // block_size))]
-        tables.append(blocks)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(context - n, context)]
-    meta = step_metadata([n for n, _ in rows], [c for _, c in rows], tables, slots)
-    return to_device(meta)
+    return step_over(rows, shuffled_tables([c for _, c in rows], block_size, num_blocks, seed), block_size)
+
+
+def shuffled_tables(context_lens: list[int], block_size: int, num_blocks: int, seed: int = 0) -> list[list[int]]:
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [[order.pop() for _ in range(-(-c // block_size))] for c in context_lens]
+
+
+def step_over(rows: list[tuple[int, int]], tables: list[list[int]], block_size: int):
+    """The metadata of a step whose row i continues the sequence with blocks tables[i]."""
+    slots = [t[p // block_size] * block_size + p % block_size for (n, c), t in zip(rows, tables)
+             for p in range(c - n, c)]
+    return to_device(step_metadata([n for n, _ in rows], [c for _, c in rows], tables[:len(rows)], slots))
 
 
 def to_device(meta):

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from slipstream import LLM, SamplingParams
-from slipstream.attention import reference
+from slipstream.attention import reference, turboquant
 from slipstream.backends.cuda.attention import dense_attention
 from slipstream.backends.cuda.backend import CudaBackend
+from slipstream.backends.reference import ReferenceBackend
 from slipstream.engine import engine
 from slipstream.kvcache.cache import LayerKVCache
+from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 from tests.conftest import random_prompts
 from tests.gpu.steps import DEVICE
 
@@ -19,6 +21,14 @@ def test_dense_caches_get_the_triton_kernel():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert backend.attention(LayerKVCache(2, 16, 1, 64, dtype, DEVICE)) is dense_attention
     assert "Triton" in backend.describe()[0]
+
+
+def test_turboquant_caches_get_the_triton_kernels():
+    from slipstream.backends.cuda.attention import turboquant_decode, turboquant_prefill
+
+    impl = CudaBackend(DEVICE).attention(TurboQuantLayerCache(2, 16, 1, 64, 3, "mse", seed=0, device=DEVICE))
+    assert impl.func is turboquant.paged_attention
+    assert impl.keywords == {"decode_kernel": turboquant_decode, "prefill_kernel": turboquant_prefill}
 
 
 def test_without_triton_the_torch_paths_run():
@@ -33,9 +43,23 @@ def test_engine_greedy_tokens_match_the_reference_backend(tiny_llama, monkeypatc
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     kwargs = dict(model=tiny_llama, dtype="float32", device=DEVICE.type, max_num_batched_tokens=48,
                   kv_cache_memory=2**20)
+    monkeypatch.setattr(engine, "select_backend", ReferenceBackend)
     expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(engine, "select_backend", CudaBackend)
     llm = LLM(**kwargs)
     assert isinstance(llm.engine.backend, CudaBackend)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+
+
+def test_engine_on_turboquant_codes_matches_the_reference_backend(tiny_llama, monkeypatch):
+    """tq4 with a 16-bit window: calibration, staging and fresh prompts stay torch's, the rest runs in Triton."""
+    prompts = random_prompts(2, 20, 40, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    kwargs = dict(model=tiny_llama, dtype="float32", device=DEVICE.type, max_num_batched_tokens=32,
+                  kv_cache_memory=2**20, kv_cache_dtype="tq4", kv_cache_recent_tokens=8, kv_cache_sink_tokens=2)
+    monkeypatch.setattr(engine, "select_backend", ReferenceBackend)
+    expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(engine, "select_backend", CudaBackend)
+    got = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
     assert got == expected

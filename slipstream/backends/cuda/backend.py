@@ -1,20 +1,24 @@
 """CudaBackend: Triton kernels where triton is installed and the cache dtype has one, the reference
 paths elsewhere.
 
-Attention over dense caches runs one Triton kernel per step (backends/cuda/attention.py);
-everything else is still the reference's torch on the GPU. The kernel modules import triton,
+Attention over dense caches runs one Triton kernel per step, attention on TurboQuant codes
+Triton kernels for decode rows and prefill chunks over a cached prefix
+(backends/cuda/attention.py); everything else is still the reference's torch on the GPU. The kernel modules import triton,
 so they are imported on first use, never here: without triton the backend says so and runs
 the torch paths.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
+from slipstream.attention import turboquant
 from slipstream.backends.base import AttentionImpl
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
+from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 FP8_MIN_CAPABILITY = (8, 9)  # Triton's float8e4nv needs Ada or Hopper
@@ -28,10 +32,15 @@ class CudaBackend(ReferenceBackend):
         self.triton = importlib.util.find_spec("triton") is not None
 
     def attention(self, cache) -> AttentionImpl:
-        if self.triton and isinstance(cache, LayerKVCache) and self._triton_reads(cache.k.dtype):
-            from slipstream.backends.cuda.attention import dense_attention
+        if not self.triton:
+            return super().attention(cache)
+        from slipstream.backends.cuda import attention
 
-            return dense_attention
+        if isinstance(cache, TurboQuantLayerCache):
+            return functools.partial(turboquant.paged_attention, decode_kernel=attention.turboquant_decode,
+                                     prefill_kernel=attention.turboquant_prefill)
+        if isinstance(cache, LayerKVCache) and self._triton_reads(cache.k.dtype):
+            return attention.dense_attention
         return super().attention(cache)
 
     def _triton_reads(self, dtype: torch.dtype) -> bool:
@@ -46,4 +55,4 @@ class CudaBackend(ReferenceBackend):
                     "attention: torch; linear: F.linear"]
         return [f"backend {self.name}: Triton kernels on {where}",
                 "attention: one Triton kernel per step over dense caches (bf16/fp16/fp32, fp8 from sm89); "
-                "torch on TurboQuant codes; linear: F.linear"]
+                "Triton on TurboQuant codes for decode and prefill over a cached prefix; linear: F.linear"]
