@@ -6,7 +6,7 @@ import torch
 
 from slipstream import LLM, SamplingParams
 from slipstream.attention import reference, turboquant
-from slipstream.backends.cuda.attention import dense_attention
+from slipstream.backends.cuda.attention import dense_attention, turboquant_encode
 from slipstream.backends.cuda.backend import CudaBackend
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.engine import engine
@@ -53,7 +53,8 @@ def test_engine_greedy_tokens_match_the_reference_backend(tiny_llama, monkeypatc
 
 
 def test_engine_on_turboquant_codes_matches_the_reference_backend(tiny_llama, monkeypatch):
-    """tq4 with a 16-bit window: calibration, staging and fresh prompts stay torch's, the rest runs in Triton."""
+    """tq4 with a 16-bit window: calibration, staging and fresh prompts stay torch's; encoding and attention
+    on the codes run in Triton."""
     prompts = random_prompts(2, 20, 40, seed=4)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     kwargs = dict(model=tiny_llama, dtype="float32", device=DEVICE.type, max_num_batched_tokens=32,
@@ -61,5 +62,7 @@ def test_engine_on_turboquant_codes_matches_the_reference_backend(tiny_llama, mo
     monkeypatch.setattr(engine, "select_backend", ReferenceBackend)
     expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(engine, "select_backend", CudaBackend)
-    got = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**kwargs)
+    assert all(layer.encoder is turboquant_encode for layer in llm.engine.kv_cache.layers)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected

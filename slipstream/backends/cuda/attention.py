@@ -2,7 +2,7 @@
 
 Owns: over dense caches, writing the step's K/V, then one kernel call over every row of the
 step (decode rows and prefill chunks together) and the choice of split-KV; over TurboQuant
-codes, the decode and prefill-over-a-cached-prefix kernels that attention/turboquant.py calls
+codes, the encoder that writes them and the decode and prefill-over-a-cached-prefix kernels that attention/turboquant.py calls
 (it keeps calibration, staging of the 16-bit window and fresh prompts), with the queries'
 rotation into code space before and the values' rotation back after. Must never know models
 or the scheduler; the kernels live in their own modules (paged_attention.py,
@@ -62,3 +62,11 @@ def _turboquant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQ
                                               k, v, cache, tables, lens, starts, scale, window, longest_query)
     out = torch.einsum("nhgw,hwd->nhgd", code.view(rows, heads, group, -1)[..., :back.shape[1]], back)
     return (out if dense is None else out + dense.view(rows, heads, group, dim)).contiguous()
+
+
+def turboquant_encode(rows: torch.Tensor, quantizer, x: torch.Tensor, slots: torch.Tensor,
+                      mean: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> None:
+    """TurboQuantLayerCache's encoder: the Triton kernel (turboquant_encode.py)."""
+    from slipstream.backends.cuda import turboquant_encode as kernel
+
+    kernel.encode(rows, quantizer, x, slots, mean, scale)

@@ -2,8 +2,8 @@
 paths elsewhere.
 
 Attention over dense caches runs one Triton kernel per step, attention on TurboQuant codes
-Triton kernels for decode rows and prefill chunks over a cached prefix
-(backends/cuda/attention.py); everything else is still the reference's torch on the GPU. The kernel modules import triton,
+Triton kernels for decode rows and prefill chunks over a cached prefix, and TurboQuant caches
+encode new K/V with a Triton kernel (backends/cuda/attention.py); everything else is still the reference's torch on the GPU. The kernel modules import triton,
 so they are imported on first use, never here: without triton the backend says so and runs
 the torch paths.
 """
@@ -43,6 +43,15 @@ class CudaBackend(ReferenceBackend):
             return attention.dense_attention
         return super().attention(cache)
 
+    def bind_attention(self, layers: list, caches: list) -> None:
+        super().bind_attention(layers, caches)
+        if self.triton:
+            from slipstream.backends.cuda.attention import turboquant_encode
+
+            for cache in caches:
+                if isinstance(cache, TurboQuantLayerCache):
+                    cache.encoder = turboquant_encode
+
     def _triton_reads(self, dtype: torch.dtype) -> bool:
         if dtype == torch.float8_e4m3fn and self.device.type == "cuda":
             return torch.cuda.get_device_capability(self.device) >= FP8_MIN_CAPABILITY
@@ -55,4 +64,5 @@ class CudaBackend(ReferenceBackend):
                     "attention: torch; linear: F.linear"]
         return [f"backend {self.name}: Triton kernels on {where}",
                 "attention: one Triton kernel per step over dense caches (bf16/fp16/fp32, fp8 from sm89); "
-                "Triton on TurboQuant codes for decode and prefill over a cached prefix; linear: F.linear"]
+                "Triton on TurboQuant codes for decode and prefill over a cached prefix, and their encoder; "
+                "linear: F.linear"]

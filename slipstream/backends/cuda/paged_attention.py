@@ -131,10 +131,14 @@ def _paged_attention(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
 
 @triton.jit
 def _dot(a, b, INTERPRETED: tl.constexpr):
-    """a @ b accumulated in float32. Triton 3.9's interpreter misreads bf16 dot operands, so there
-    the (exactly representable) operands are widened first: the same products, the same sums."""
+    """a @ b accumulated in float32; float32 operands in full precision (not TF32: float32 caches and
+    TurboQuant's code-space sums are float32 so that they match the torch reference). Triton 3.9's
+    interpreter misreads bf16 dot operands, so there the (exactly representable) operands are
+    widened first: the same products, the same sums."""
     if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b).to(tl.float32)
 
 
