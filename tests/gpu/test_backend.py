@@ -1,18 +1,22 @@
-"""The CUDA backend's choices, and a whole engine on it: the Triton attention kernel (on the
-interpreter off a GPU) gives the reference backend's greedy tokens on a tiny random llama."""
+"""The CUDA backend's choices, and whole engines on it: its Triton kernels (on the interpreter off a
+GPU) give the reference backend's greedy tokens on tiny random llama and MoE models."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from slipstream import LLM, SamplingParams
 from slipstream.attention import reference, turboquant
 from slipstream.backends.cuda.attention import dense_attention, turboquant_encode
 from slipstream.backends.cuda.backend import CudaBackend
+from slipstream.backends.cuda.experts import TritonExperts
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.engine import engine
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
+from slipstream.layers.moe import Experts
 from tests.conftest import random_prompts
+from tests.models.test_moe_families import build_moe_checkpoint
 from tests.gpu.steps import DEVICE
 
 
@@ -31,10 +35,15 @@ def test_turboquant_caches_get_the_triton_kernels():
     assert impl.keywords == {"decode_kernel": turboquant_decode, "prefill_kernel": turboquant_prefill}
 
 
+def test_experts_get_the_grouped_gemms():
+    assert isinstance(CudaBackend(DEVICE).experts_method(Experts(2, 8, 8)), TritonExperts)
+
+
 def test_without_triton_the_torch_paths_run():
     backend = CudaBackend(DEVICE)
     backend.triton = False
     assert backend.attention(LayerKVCache(2, 16, 1, 64, torch.bfloat16, DEVICE)) is reference.paged_attention
+    assert backend.experts_method(Experts(2, 8, 8)) is Experts.method
     assert "triton is not installed" in backend.describe()[0]
 
 
@@ -65,4 +74,17 @@ def test_engine_on_turboquant_codes_matches_the_reference_backend(tiny_llama, mo
     llm = LLM(**kwargs)
     assert all(layer.encoder is turboquant_encode for layer in llm.engine.kv_cache.layers)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma4_moe"])  # silu experts; gelu-tanh, sliding windows, MQA
+def test_engine_on_moe_models_matches_the_reference_backend(family, tmp_path, monkeypatch):
+    path = build_moe_checkpoint(str(tmp_path), family)
+    prompts = random_prompts(2, 10, 30, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    kwargs = dict(model=path, dtype="float32", device=DEVICE.type, max_num_batched_tokens=32, kv_cache_memory=2**20)
+    monkeypatch.setattr(engine, "select_backend", ReferenceBackend)
+    expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(engine, "select_backend", CudaBackend)
+    got = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
     assert got == expected

@@ -3,7 +3,8 @@ paths elsewhere.
 
 Attention over dense caches runs one Triton kernel per step, attention on TurboQuant codes
 Triton kernels for decode rows and prefill chunks over a cached prefix, and TurboQuant caches
-encode new K/V with a Triton kernel (backends/cuda/attention.py); everything else is still the reference's torch on the GPU. The kernel modules import triton,
+encode new K/V with a Triton kernel (backends/cuda/attention.py); MoE experts run as grouped
+GEMMs in Triton (backends/cuda/experts.py); linear layers are still the reference's torch. The kernel modules import triton,
 so they are imported on first use, never here: without triton the backend says so and runs
 the torch paths.
 """
@@ -16,9 +17,11 @@ import torch
 
 from slipstream.attention import turboquant
 from slipstream.backends.base import AttentionImpl
+from slipstream.backends.cuda.experts import TritonExperts
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
+from slipstream.layers.moe import Experts, ExpertsMethod
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 FP8_MIN_CAPABILITY = (8, 9)  # Triton's float8e4nv needs Ada or Hopper
@@ -43,6 +46,9 @@ class CudaBackend(ReferenceBackend):
             return attention.dense_attention
         return super().attention(cache)
 
+    def experts_method(self, experts: Experts) -> ExpertsMethod:
+        return TritonExperts() if self.triton else super().experts_method(experts)
+
     def bind_attention(self, layers: list, caches: list) -> None:
         super().bind_attention(layers, caches)
         if self.triton:
@@ -65,4 +71,4 @@ class CudaBackend(ReferenceBackend):
         return [f"backend {self.name}: Triton kernels on {where}",
                 "attention: one Triton kernel per step over dense caches (bf16/fp16/fp32, fp8 from sm89); "
                 "Triton on TurboQuant codes for decode and prefill over a cached prefix, and their encoder; "
-                "linear: F.linear"]
+                "MoE experts: grouped Triton GEMMs (silu, gelu-tanh); linear: F.linear"]
