@@ -39,6 +39,12 @@ class EngineConfig:
     # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ...,
     # "prompt_lookup_max": ...}; validate() turns it into a SpeculativeConfig
     speculative_config: dict | SpeculativeConfig | None = None
+    # CUDA: a fraction of the GPU's memory for weights, activations and KV cache together (vLLM's name);
+    # when set, the KV cache gets what a profiled forward pass leaves, in place of kv_cache_memory
+    gpu_memory_utilization: float | None = None
+    # CUDA: False captures decode steps as CUDA graphs (vLLM's name, default True here: no GPU run has
+    # shown the graphs correct yet)
+    enforce_eager: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -66,4 +72,10 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be a non-negative integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer or None")
+        if self.gpu_memory_utilization is not None and (
+                isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be None or a fraction in (0, 1]")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

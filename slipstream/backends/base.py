@@ -47,6 +47,17 @@ class Backend:
         for the steps it serves (True), or None where the backend has none."""
         return None
 
+    def kv_cache_memory(self, model: nn.Module, utilization: float, num_tokens: int, num_logits: int,
+                        block_size: int, dtype: torch.dtype) -> int:
+        """gpu_memory_utilization: KV-cache bytes after profiling a forward pass; devices without one refuse."""
+        raise ValueError(f"gpu_memory_utilization applies to CUDA devices; this engine runs on {self.device} "
+                         f"(set kv_cache_memory instead)")
+
+    def decode_graphs(self, model: nn.Module, kv_cache, max_num_seqs: int, max_model_len: int):
+        """enforce_eager=False: captured decode graphs for the model runner; backends without them refuse."""
+        raise ValueError(f"enforce_eager=False needs CUDA graphs, which only the cuda backend has; this engine "
+                         f"runs the {self.name} backend on {self.device}")
+
     def describe(self) -> list[str]:
         """Lines saying which implementation serves what, and why."""
         return [self.name]

@@ -88,3 +88,30 @@ def test_engine_on_moe_models_matches_the_reference_backend(family, tmp_path, mo
     monkeypatch.setattr(engine, "select_backend", CudaBackend)
     got = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
     assert got == expected
+
+
+ON_GPU = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs and memory profiling need a GPU")
+
+
+@ON_GPU
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_give_the_eager_tokens(tiny_llama, dtype):
+    """Decode steps replayed from graphs (batches that pad up to a bucket included) give eager's tokens."""
+    prompts = random_prompts(5, 5, 60, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kwargs = dict(model=tiny_llama, dtype=dtype, device="cuda", max_num_seqs=8, kv_cache_memory=2**22)
+    expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**kwargs, enforce_eager=False)
+    assert sorted(llm.engine.runner.graphs.graphs) == [1, 2, 4, 8]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+
+
+@ON_GPU
+def test_gpu_memory_utilization_sizes_the_cache(tiny_llama):
+    free, total = torch.cuda.mem_get_info()
+    fraction = min(0.95, (total - free) / total + 0.05)  # about 5% of the GPU for this engine
+    llm = LLM(tiny_llama, dtype="bfloat16", device="cuda", gpu_memory_utilization=fraction)
+    cache_bytes = llm.engine.kv_cache.num_blocks * llm.engine.kv_cache.bytes_per_token * 16
+    assert 0 < cache_bytes <= 0.05 * total
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

@@ -14,14 +14,16 @@ import functools
 import importlib.util
 
 import torch
+from torch import nn
 
 from slipstream.attention import turboquant
 from slipstream.backends.base import AttentionImpl
 from slipstream.backends.cuda.experts import TritonExperts
+from slipstream.backends.cuda.graphs import DecodeGraphs, graph_blockers
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
-from slipstream.layers.moe import Experts, ExpertsMethod
+from slipstream.layers.moe import Experts, ExpertsMethod, SparseMoeBlock
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 FP8_MIN_CAPABILITY = (8, 9)  # Triton's float8e4nv needs Ada or Hopper
@@ -48,6 +50,25 @@ class CudaBackend(ReferenceBackend):
 
     def experts_method(self, experts: Experts) -> ExpertsMethod:
         return TritonExperts() if self.triton else super().experts_method(experts)
+
+    def kv_cache_memory(self, model: nn.Module, utilization: float, num_tokens: int, num_logits: int,
+                        block_size: int, dtype: torch.dtype) -> int:
+        from slipstream.backends.cuda.memory import profile_kv_cache_memory
+
+        return profile_kv_cache_memory(model, self, utilization, num_tokens, num_logits, block_size, dtype,
+                                       self.device)
+
+    def decode_graphs(self, model: nn.Module, kv_cache, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
+        """Graphs of the decode step, captured now; the last block of `kv_cache` is their scratch block."""
+        blockers = graph_blockers(self.device, self.triton, any(kv_cache.turboquant),
+                                  any(isinstance(m, SparseMoeBlock) for m in model.modules()))
+        if blockers:
+            raise ValueError(f"enforce_eager=False: CUDA graphs cannot run here: {'; '.join(blockers)}")
+        max_blocks = min(kv_cache.num_blocks, -(-max_model_len // kv_cache.block_size))
+        graphs = DecodeGraphs(max_num_seqs, max_blocks, kv_cache.block_size, max_model_len,
+                              scratch_block=kv_cache.num_blocks - 1, device=self.device)
+        graphs.capture(model)
+        return graphs
 
     def bind_attention(self, layers: list, caches: list) -> None:
         super().bind_attention(layers, caches)
