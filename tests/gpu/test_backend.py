@@ -16,8 +16,8 @@ from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 from slipstream.layers.moe import Experts
 from tests.conftest import random_prompts
-from tests.models.test_moe_families import build_moe_checkpoint
 from tests.gpu.steps import DEVICE
+from tests.models.test_moe_families import build_moe_checkpoint
 
 
 def test_dense_caches_get_the_triton_kernel():

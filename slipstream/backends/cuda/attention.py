@@ -11,6 +11,8 @@ needs triton.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
@@ -25,7 +27,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
 
     cache.write(k, v, meta.slot_mapping)
     starts = meta.query_start
-    longest_query = max(b - a for a, b in zip(starts, starts[1:]))
+    longest_query = max(b - a for a, b in itertools.pairwise(starts))
     programs = len(meta.context_lens) * cache.k.shape[0]  # at least one query tile per row and KV head
     splits = kernel.choose_splits(programs, max(meta.context_lens))
     return kernel.paged_attention(q, cache.k, cache.v, meta.block_table, meta.seq_lens, meta.query_start_loc,

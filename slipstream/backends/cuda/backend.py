@@ -1,12 +1,12 @@
-"""CudaBackend: Triton kernels where triton is installed and the cache dtype has one, the reference
-paths elsewhere.
+"""CudaBackend: Triton kernels where triton is installed, the reference's torch paths elsewhere.
 
-Attention over dense caches runs one Triton kernel per step, attention on TurboQuant codes
-Triton kernels for decode rows and prefill chunks over a cached prefix, and TurboQuant caches
-encode new K/V with a Triton kernel (backends/cuda/attention.py); MoE experts run as grouped
-GEMMs in Triton (backends/cuda/experts.py); linear layers are still the reference's torch. The kernel modules import triton,
-so they are imported on first use, never here: without triton the backend says so and runs
-the torch paths.
+Binds attention over dense caches to one Triton kernel per step, attention on TurboQuant codes
+to Triton kernels for decode rows and prefill chunks over a cached prefix (with a Triton
+encoder for their writes; backends/cuda/attention.py), MoE experts to grouped Triton GEMMs
+(backends/cuda/experts.py); linear layers stay F.linear (cuBLAS). It also sizes the KV cache
+for gpu_memory_utilization (memory.py) and captures decode graphs (graphs.py). The kernel
+modules import triton, so they are imported on first use, never here: without triton the
+backend says so and runs the torch paths.
 """
 from __future__ import annotations
 
@@ -90,6 +90,6 @@ class CudaBackend(ReferenceBackend):
             return [f"backend {self.name}: plain torch on {where} (triton is not installed: pip install '.[gpu]')",
                     "attention: torch; linear: F.linear"]
         return [f"backend {self.name}: Triton kernels on {where}",
-                "attention: one Triton kernel per step over dense caches (bf16/fp16/fp32, fp8 from sm89); "
-                "Triton on TurboQuant codes for decode and prefill over a cached prefix, and their encoder; "
-                "MoE experts: grouped Triton GEMMs (silu, gelu-tanh); linear: F.linear"]
+                ("attention: one Triton kernel per step over dense caches (bf16/fp16/fp32, fp8 from sm89); "
+                 "Triton on TurboQuant codes (encoder, decode, prefill over a cached prefix)"),
+                "MoE experts: grouped Triton GEMMs (silu, gelu-tanh)", "linear: F.linear"]

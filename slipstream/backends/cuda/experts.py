@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.layers.mlp import ACTIVATIONS
-from slipstream.layers.moe import Experts, ExpertGroups, ExpertsMethod
+from slipstream.layers.moe import ExpertGroups, Experts, ExpertsMethod
 
 
 class TritonExperts(ExpertsMethod):

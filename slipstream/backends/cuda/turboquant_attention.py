@@ -29,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.backends.cuda.paged_attention import LOG2E, MIN_DOT_ROWS, _dot, _find_row, interpreted
+from slipstream.backends.cuda.paged_attention import (
+    LOG2E,
+    MIN_DOT_ROWS,
+    _dot,
+    _find_row,
+    interpreted,
+)
 from slipstream.kvcache.turboquant import TurboQuantizer
 
 CODE_VALUES = 16  # entries per piece in row_layout's value table
