@@ -7,12 +7,7 @@ import pytest
 import torch
 
 from slipstream import LLM
-from slipstream.backends.cuda.graphs import (
-    DecodeGraphs,
-    bucket_for,
-    capture_sizes,
-    graph_blockers,
-)
+from slipstream.backends.cuda.graphs import DecodeGraphs, bucket_for, capture_sizes, graph_blockers
 from slipstream.backends.cuda.memory import GiB, kv_cache_budget
 from slipstream.config import EngineConfig
 from tests.gpu.steps import random_step

@@ -97,3 +97,13 @@ def test_larger_heads(dim):
     ours, expected = compare("tq3", 2, 1, dim=dim, block_size=16, recent=5, sinks=2, window=9,
                              step=[(1, 21), (4, 20)], history=[(20, 20), (16, 16)])
     torch.testing.assert_close(ours, expected, atol=TOL * dim / 64, rtol=0)
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_kv(splits, monkeypatch):
+    """The KV range split over programs (what long contexts get), splits with no visible key included,
+    with the 16-bit window and a sliding window: both accumulators merged, as without splits."""
+    paged = kernels("paged_attention")
+    monkeypatch.setattr(paged, "choose_splits", lambda programs, longest: splits)
+    ours, expected = compare("tq3-qjl", 4, 2, recent=6, sinks=2, window=7)
+    torch.testing.assert_close(ours, expected, atol=TOL, rtol=0)

@@ -38,30 +38,42 @@ def turboquant_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
                       tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
     """attention/turboquant.py's decode_kernel: q [B, Hk, G, D], one query per row -> [B, Hk, G, D] float32."""
     starts = torch.arange(len(lens) + 1, device=q.device)
-    return _turboquant(q, k, v, cache, tables, lens, starts, scale, window, 1)
+    longest = tables.shape[1] * cache.block_size  # a bound on every context, known without a host sync
+    return _turboquant(q, k, v, cache, tables, lens, starts, scale, window, 1, longest)
 
 
 def turboquant_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
                        chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
     """attention/turboquant.py's prefill_kernel: a chunk's queries q [n, Hk, G, D] over its cached prefix
     and itself (causal) -> [n, Hk, G, D] float32."""
-    starts = torch.tensor([0, chunk.length], device=q.device)
-    lens = torch.tensor([chunk.context_len], device=q.device)
-    return _turboquant(q, k, v, cache, chunk.block_table[None], lens, starts, scale, window, chunk.length)
+    starts, lens = _chunk_rows(chunk, q.device)
+    return _turboquant(q, k, v, cache, chunk.block_table[None], lens, starts, scale, window, chunk.length,
+                       chunk.context_len)
+
+
+def _chunk_rows(chunk: PrefillChunk, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """query_start_loc [0, n] and seq_lens [context] of a chunk on the device, made once per step for
+    every layer (the chunk lives as long as the step's metadata): no host copy per layer."""
+    if not hasattr(chunk, "device_rows"):
+        rows = torch.tensor([0, chunk.length, chunk.context_len], device=device)
+        chunk.device_rows = (rows[:2], rows[2:])
+    return chunk.device_rows
 
 
 def _turboquant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
                 tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, scale: float, window: int | None,
-                longest_query: int) -> torch.Tensor:
+                longest_query: int, longest_context: int) -> torch.Tensor:
     """Queries mapped into key code space here, the kernel, then value code space back to channels."""
+    from slipstream.backends.cuda import paged_attention
     from slipstream.backends.cuda import turboquant_attention as kernel
 
     to_keys, back = cache.decode_maps  # [Hk, D, Wk], [Hk, D, D]
     rows, heads, group, dim = q.shape
     q = q.float()
     q_rot = torch.einsum("nhgd,hdw->nhgw", q, to_keys)
+    splits = paged_attention.choose_splits(len(lens) * heads, longest_context)
     code, dense = kernel.turboquant_attention(q.reshape(rows, heads * group, dim), q_rot.reshape(rows, heads * group, -1),
-                                              k, v, cache, tables, lens, starts, scale, window, longest_query)
+                                              k, v, cache, tables, lens, starts, scale, window, longest_query, splits)
     out = torch.einsum("nhgw,hwd->nhgd", code.view(rows, heads, group, -1)[..., :back.shape[1]], back)
     return (out if dense is None else out + dense.view(rows, heads, group, dim)).contiguous()
 

@@ -11,11 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slipstream.attention.metadata import (
-    AttentionMetadata,
-    leading_decodes,
-    use_metadata,
-)
+from slipstream.attention.metadata import AttentionMetadata, leading_decodes, use_metadata
 from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 

@@ -12,7 +12,8 @@ values are accumulated in value code space and mapped back to channels once per 
 after the kernel. A token that the rule of attention/turboquant.py reads in 16 bits (near the
 query and staged, or one of the step's own tokens) is scored as <q, k - mu> from the staging
 blocks or the step's fresh K/V instead, and its value is accumulated in channels; both kinds
-share one online softmax.
+share one online softmax. Long contexts over few rows split the KV range as paged_attention.py
+does (split-KV), both accumulators merged by its reduction.
 
 Decoding a coordinate j of code space: its code starts at bit `shift[j]` of byte `byte[j]` of
 the row (two bytes are read where a 3-bit code straddles them), its value is
@@ -29,13 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.backends.cuda.paged_attention import (
-    LOG2E,
-    MIN_DOT_ROWS,
-    _dot,
-    _find_row,
-    interpreted,
-)
+from slipstream.backends.cuda.paged_attention import LOG2E, MIN_DOT_ROWS, _dot, _find_row, _merge_splits, interpreted
 from slipstream.kvcache.turboquant import TurboQuantizer
 
 CODE_VALUES = 16  # entries per piece in row_layout's value table
@@ -74,14 +69,17 @@ def _decode_rows(rows, ok, table, values, W_PAD: tl.constexpr):
 @triton.jit
 def _turboquant_attention(q, q_rot, key_rows, value_rows, key_table, key_values, value_table, value_values,
                           key_mean, staging_of, staged_k, staged_v, fresh_k, fresh_v, out_code, out_dense,
+                          part_code, part_dense, part_max, part_sum,
                           block_table, seq_lens, query_start_loc, num_rows, scale, window,
                           recent, sinks, stride_bt,
                           HK: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                           D_PAD: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, KEY_BYTES: tl.constexpr,
                           VALUE_BYTES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, INTERPRETED: tl.constexpr):
+                          BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          INTERPRETED: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     row = _find_row(query_start_loc, pid, num_rows, BLOCK_M)
     q_begin = tl.load(query_start_loc + row)
     q_end = tl.load(query_start_loc + row + 1)
@@ -109,14 +107,17 @@ def _turboquant_attention(q, q_rot, key_rows, value_rows, key_table, key_values,
     lo = 0
     if window > 0:
         lo = tl.maximum(step_start + tile_start - q_begin - window + 1, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(last_pos + 1 - lo, BLOCK_N), NUM_SPLITS)
+    start = lo + split * tiles_per_split * BLOCK_N
+    stop = tl.minimum(last_pos + 1, start + tiles_per_split * BLOCK_N)
     scale = scale * LOG2E
     m = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_M * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * G_PAD, WV], tl.float32)
     acc_dense = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
-    for kv_start in range(lo, last_pos + 1, BLOCK_N):
+    for kv_start in range(start, stop, BLOCK_N):
         pos = kv_start + tl.arange(0, BLOCK_N)
-        pos_ok = pos <= last_pos
+        pos_ok = pos < stop
         block = tl.load(block_table + row * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
         slot = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * HK + kv_head
         keys = _decode_rows(key_rows + slot * KEY_BYTES, pos_ok, key_table, key_values, WK)
@@ -156,12 +157,20 @@ def _turboquant_attention(q, q_rot, key_rows, value_rows, key_table, key_values,
             acc_dense = acc_dense * alpha[:, None] + _dot(tl.where(dense, p, 0.0), vd, INTERPRETED)
         m = m_new
 
-    norm = tl.where(s > 0, s, 1.0)[:, None]
     where = token * HK * G + head
-    tl.store(out_code + where[:, None] * WV + tl.arange(0, WV)[None, :], acc / norm, mask=row_ok[:, None])
-    if HAS_WINDOW:
-        tl.store(out_dense + where[:, None] * D + dims[None, :], acc_dense / norm,
-                 mask=row_ok[:, None] & dim_ok[None, :])
+    if NUM_SPLITS == 1:
+        norm = tl.where(s > 0, s, 1.0)[:, None]
+        tl.store(out_code + where[:, None] * WV + tl.arange(0, WV)[None, :], acc / norm, mask=row_ok[:, None])
+        if HAS_WINDOW:
+            tl.store(out_dense + where[:, None] * D + dims[None, :], acc_dense / norm,
+                     mask=row_ok[:, None] & dim_ok[None, :])
+    else:  # unnormalised partials [T, Hq, NUM_SPLITS, (width)], merged by paged_attention._merge_splits
+        part = where * NUM_SPLITS + split
+        tl.store(part_code + part[:, None] * WV + tl.arange(0, WV)[None, :], acc, mask=row_ok[:, None])
+        if HAS_WINDOW:
+            tl.store(part_dense + part[:, None] * D_PAD + dims[None, :], acc_dense, mask=row_ok[:, None])
+        tl.store(part_max + part, m, mask=row_ok)
+        tl.store(part_sum + part, s, mask=row_ok)
 
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -198,8 +207,8 @@ def _build_tables(quantizer: TurboQuantizer, device: torch.device) -> tuple[torc
 
 def turboquant_attention(q: torch.Tensor, q_rot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                         scale: float, window: int | None,
-                         max_query_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         scale: float, window: int | None, max_query_len: int,
+                         num_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of q [T, Hq, D] (float32) over a TurboQuantLayerCache that already holds the step.
 
     q_rot [T, Hq, W]: q in key code space. Every row reads the codes (a fresh prompt attends to its
@@ -225,14 +234,29 @@ def turboquant_attention(q: torch.Tensor, q_rot: torch.Tensor, k_new: torch.Tens
         staging_of, staged_k, staged_v = recent.staging_of, recent.k, recent.v
         fresh_k, fresh_v = (x.to(recent.k.dtype).contiguous() for x in (k_new, v_new))
         recent_tokens, sinks = recent.tokens, recent.sinks
-    grid = (tokens // block_m + len(seq_lens), kv_heads)
+    dim_pad = triton.next_power_of_2(dim)
+    if num_splits > 1:
+        part_code = q.new_empty((tokens, num_heads, num_splits, wv), dtype=torch.float32)
+        part_dense = q.new_empty((tokens, num_heads, num_splits, dim_pad), dtype=torch.float32)
+        part_max = q.new_empty((tokens, num_heads, num_splits), dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_code = part_dense = part_max = part_sum = out_code  # not read
+    grid = (tokens // block_m + len(seq_lens), kv_heads, num_splits)
     _turboquant_attention[grid](
         q.float().contiguous(), q_rot, cache.k, cache.v, key_table, key_values, value_table, value_values,
         cache.key_mean.float().contiguous(), staging_of, staged_k, staged_v, fresh_k, fresh_v, out_code, out_dense,
-        block_table, seq_lens, query_start_loc, len(seq_lens), scale, window or 0,
+        part_code, part_dense, part_max, part_sum, block_table, seq_lens, query_start_loc, len(seq_lens), scale, window or 0,
         recent_tokens, sinks, block_table.stride(0),
-        HK=kv_heads, G=group, G_PAD=group_pad, D=dim, D_PAD=triton.next_power_of_2(dim), WK=wk, WV=wv,
+        HK=kv_heads, G=group, G_PAD=group_pad, D=dim, D_PAD=dim_pad, WK=wk, WV=wv,
         KEY_BYTES=cache.key_quantizer.nbytes, VALUE_BYTES=cache.value_quantizer.nbytes,
         BLOCK_SIZE=cache.block_size, BLOCK_M=block_m, BLOCK_N=16, HAS_WINDOW=recent is not None,
-        INTERPRETED=interpreted())
+        NUM_SPLITS=num_splits, INTERPRETED=interpreted())
+    if num_splits > 1:
+        merge = (tokens, num_heads)
+        _merge_splits[merge](out_code, part_code, part_max, part_sum, out_code.stride(0), out_code.stride(1),
+                             num_heads, D=wv, D_PAD=wv, NUM_SPLITS=num_splits)
+        if recent is not None:
+            _merge_splits[merge](out_dense, part_dense, part_max, part_sum, out_dense.stride(0), out_dense.stride(1),
+                                 num_heads, D=dim, D_PAD=dim_pad, NUM_SPLITS=num_splits)
     return out_code, (None if recent is None else out_dense)
