@@ -28,9 +28,11 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 @triton.jit
 def _activate(g, ACT: tl.constexpr):
     if ACT == 0:
-        return g * tl.sigmoid(g)
-    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi) * (g + 0.044715 g^3)
-    return 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh(u) = 2 sigmoid(2u) - 1
+        y = g * tl.sigmoid(g)
+    else:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi) * (g + 0.044715 g^3)
+        y = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh(u) = 2 sigmoid(2u) - 1
+    return y
 
 
 @triton.jit

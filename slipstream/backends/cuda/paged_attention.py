@@ -39,11 +39,12 @@ MAX_SPLITS = 16
 @triton.jit
 def _find_row(query_start_loc, pid, num_rows, BLOCK_M: tl.constexpr):
     """The row b whose programs (from query_start_loc[b] // BLOCK_M + b) include pid."""
-    lo = 0
-    hi = num_rows
+    # typed: loop-carried values must keep one type, and Triton passes num_rows == 1 as a constant
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_rows
     while lo < hi:
         mid = (lo + hi) // 2
-        first = tl.load(query_start_loc + mid + 1) // BLOCK_M + mid + 1
+        first = tl.load(query_start_loc + mid + 1).to(tl.int32) // BLOCK_M + mid + 1
         if first <= pid:
             lo = mid + 1
         else:
@@ -63,12 +64,12 @@ def _paged_attention(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     row = _find_row(query_start_loc, pid, num_rows, BLOCK_M)
-    q_begin = tl.load(query_start_loc + row)
-    q_end = tl.load(query_start_loc + row + 1)
+    q_begin = tl.load(query_start_loc + row).to(tl.int32)
+    q_end = tl.load(query_start_loc + row + 1).to(tl.int32)
     tile_start = q_begin + (pid - (q_begin // BLOCK_M + row)) * BLOCK_M
     if tile_start >= q_end:
         return
-    context_len = tl.load(seq_lens + row)
+    context_len = tl.load(seq_lens + row).to(tl.int32)
     first_pos = context_len - (q_end - q_begin)  # position of the row's first query
 
     rows = tl.arange(0, BLOCK_M * G_PAD)
@@ -83,7 +84,7 @@ def _paged_attention(q, k_cache, v_cache, out, part_acc, part_max, part_sum,
 
     # the KV positions these queries may see, then this split's share in whole tiles
     last_pos = first_pos + tl.minimum(tile_start + BLOCK_M, q_end) - 1 - q_begin
-    lo = 0
+    lo: tl.int32 = 0
     if window > 0:
         lo = tl.maximum(first_pos + tile_start - q_begin - window + 1, 0)
     hi = last_pos + 1
@@ -136,17 +137,21 @@ def _dot(a, b, INTERPRETED: tl.constexpr):
     interpreter misreads bf16 dot operands, so there the (exactly representable) operands are
     widened first: the same products, the same sums."""
     if INTERPRETED:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b).to(tl.float32)
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif a.dtype == tl.float32:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b).to(tl.float32)
+    return c
 
 
 @triton.jit
 def _load_cache(ptr, mask, FP8: tl.constexpr):
-    if FP8:  # stored as bytes: the interpreter and older GPUs have no fp8 tensors to pass
-        return tl.load(ptr, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.load(ptr, mask=mask, other=0.0)
+    if FP8:  # stored as bytes: the interpreter has no fp8 tensors to pass
+        x = tl.load(ptr, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        x = tl.load(ptr, mask=mask, other=0.0)
+    return x  # one return: Triton compiles every return of a function, even one after a taken constexpr branch
 
 
 @triton.jit

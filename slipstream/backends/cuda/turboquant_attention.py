@@ -81,10 +81,10 @@ def _turboquant_attention(q, q_rot, key_rows, value_rows, key_table, key_values,
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     row = _find_row(query_start_loc, pid, num_rows, BLOCK_M)
-    q_begin = tl.load(query_start_loc + row)
-    q_end = tl.load(query_start_loc + row + 1)
+    q_begin = tl.load(query_start_loc + row).to(tl.int32)
+    q_end = tl.load(query_start_loc + row + 1).to(tl.int32)
     tile_start = q_begin + (pid - (q_begin // BLOCK_M + row)) * BLOCK_M
-    context_len = tl.load(seq_lens + row)
+    context_len = tl.load(seq_lens + row).to(tl.int32)
     step_start = context_len - (q_end - q_begin)  # position of the row's first new token
     if tile_start >= q_end:
         return
@@ -104,7 +104,7 @@ def _turboquant_attention(q, q_rot, key_rows, value_rows, key_table, key_values,
         mean = tl.load(key_mean + kv_head * D + dims, mask=dim_ok, other=0.0)
 
     last_pos = step_start + tl.minimum(tile_start + BLOCK_M, q_end) - 1 - q_begin
-    lo = 0
+    lo: tl.int32 = 0
     if window > 0:
         lo = tl.maximum(step_start + tile_start - q_begin - window + 1, 0)
     tiles_per_split = tl.cdiv(tl.cdiv(last_pos + 1 - lo, BLOCK_N), NUM_SPLITS)
