@@ -94,6 +94,7 @@ class DecodeGraphs:
         return AttentionMetadata(self.slot_mapping[:size], self.query_start_loc[:size + 1], self.seq_lens[:size],
                                  self.block_table[:size], size, list(range(size + 1)), [self.max_model_len] * size)
 
+    @torch.inference_mode()  # as the runner's steps: no autograd state recorded into the graphs
     def capture(self, model: nn.Module) -> None:
         """One graph per bucket, largest first, sharing one memory pool (each warmed up once eagerly)."""
         pool = torch.cuda.graph_pool_handle()

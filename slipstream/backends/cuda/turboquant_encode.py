@@ -16,6 +16,8 @@ This module imports triton at import time: import it lazily.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -103,27 +105,47 @@ def encode(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots
                          f"{tuple(x.shape)}; got {rows.dtype} {tuple(rows.shape)}")
     if tokens == 0:
         return
-    info, constants = quantizer.encode_tables
-    constants = constants.to(x.device)
-    order = quantizer.channel_order
-    order = (order.to(device=x.device, dtype=torch.int32).contiguous() if order is not None
-             else torch.zeros(1, dtype=torch.int32, device=x.device))
+    constants, order, groups = _tables(quantizer, x.device)
     x, slots = x.contiguous(), slots.contiguous()
     mean_, scale_ = (t.float().contiguous() if t is not None else constants for t in (mean, scale))
-    channel = byte = offset = 0
-    for dg, mse_bits, qjl, norm_correction in info.tolist():
-        rotation_at, offset = offset, offset + dg * dg
-        centroids_at = boundaries_at = sketch_at = 0
-        if mse_bits:
-            centroids_at, boundaries_at = offset, offset + 2 ** mse_bits
-            offset += 2 ** (mse_bits + 1) - 1
-        if qjl:
-            sketch_at, offset = offset, offset + dg * dg
+    for dg, mse_bits, qjl, norm_correction, channel, byte, rotation_at, centroids_at, boundaries_at, sketch_at in groups:
         _encode_group[(triton.cdiv(tokens, BLOCK_T), heads)](
             x, mean_, scale_, order, constants, slots, rows, tokens, channel, byte,
             rotation_at, centroids_at, boundaries_at, sketch_at,
             HK=heads, D=dim, NBYTES=quantizer.nbytes, DG=dg, DG_PAD=triton.next_power_of_2(dg),
             MSE_BITS=mse_bits, QJL=bool(qjl), NORM_CORRECTION=bool(norm_correction), SCALED=mean is not None,
             PERMUTED=quantizer.channel_order is not None, BLOCK=BLOCK_T, INTERPRETED=interpreted())
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tables(quantizer: TurboQuantizer, device: torch.device):
+    """The quantizer's constants and channel order on `device`, and per group its launch values
+    (dim, mse bits, QJL, norm correction, first channel, first byte, offsets into the constants),
+    built once per device (and again once calibration has fixed the channel order)."""
+    key = (device, quantizer.channel_order is not None)
+    per_key = _TABLES.setdefault(quantizer, {})
+    if key not in per_key:
+        info, constants = quantizer.encode_tables
+        order = quantizer.channel_order
+        order = torch.zeros(1, dtype=torch.int32) if order is None else order.to(torch.int32).contiguous()
+        per_key[key] = (constants.to(device), order.to(device), _groups(info.tolist()))
+    return per_key[key]
+
+
+def _groups(info: list[list[int]]) -> list[tuple[int, ...]]:
+    groups, channel, byte, offset = [], 0, 0, 0
+    for dg, mse_bits, qjl, norm_correction in info:
+        rotation_at, offset = offset, offset + dg * dg
+        centroids_at = boundaries_at = sketch_at = 0
+        if mse_bits:  # centroids, then boundaries
+            centroids_at, boundaries_at = offset, offset + 2 ** mse_bits
+            offset += 2 ** (mse_bits + 1) - 1
+        if qjl:
+            sketch_at, offset = offset, offset + dg * dg
+        groups.append((dg, mse_bits, qjl, norm_correction, channel, byte, rotation_at, centroids_at, boundaries_at,
+                       sketch_at))
         channel += dg
         byte += dg * mse_bits // 8 + (dg // 8 + 4 if qjl else 2)
+    return groups
