@@ -7,8 +7,9 @@ to --results (one Markdown file for the whole run).
     tq-attention  decode attention at 8k / 32k contexts, batch 1 / 64: TurboQuant tq3 codes vs the bf16 cache
 
 Random weights give the shapes, bytes and FLOPs of the real model (throughput, memory and
-roofline figures), not its outputs. Every prompt is random token ids of one length, so that
-transformers' padded batches waste nothing.
+roofline figures), not its outputs (Llama 3.1's rope scaling is left out: it changes no
+cost). Every prompt is random token ids of one length, so that transformers' batches need no
+padding.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def throughput(args) -> None:
                   f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB peak allocated")
     else:
         elapsed, tokens = transformers_generate(args, batch)
-        memory = f"; {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB peak allocated"
+        memory = f"; batches of {args.hf_batch_size}, {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB peak allocated"
     record(args.results, f"- throughput {args.label} {args.engine}: {tokens / elapsed:.0f} output tok/s "
                          f"({args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
                          f"{elapsed:.1f} s{memory})")
@@ -103,6 +104,7 @@ def transformers_generate(args, batch: list[list[int]]) -> tuple[float, int]:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, device_map="cuda")
     model.eval()
+
     def run(ids: torch.Tensor, n: int) -> torch.Tensor:
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, pad_token_id=0)
