@@ -36,9 +36,10 @@ def shuffled_tables(context_lens: list[int], block_size: int, num_blocks: int, s
 
 def step_over(rows: list[tuple[int, int]], tables: list[list[int]], block_size: int):
     """The metadata of a step whose row i continues the sequence with blocks tables[i]."""
-    slots = [t[p // block_size] * block_size + p % block_size for (n, c), t in zip(rows, tables)
+    tables = tables[:len(rows)]  # a step may continue only the first sequences
+    slots = [t[p // block_size] * block_size + p % block_size for (n, c), t in zip(rows, tables, strict=True)
              for p in range(c - n, c)]
-    return to_device(step_metadata([n for n, _ in rows], [c for _, c in rows], tables[:len(rows)], slots))
+    return to_device(step_metadata([n for n, _ in rows], [c for _, c in rows], tables, slots))
 
 
 def to_device(meta):

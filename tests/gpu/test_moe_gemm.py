@@ -9,9 +9,10 @@ from slipstream.backends.cuda.experts import TritonExperts
 from slipstream.layers.moe import Experts
 from tests.gpu.steps import DEVICE, kernels
 
-# float32: sums in another order; bf16: the reference rounds each product to bf16 where the kernel
-# accumulates in float32, so both sit within a few bf16 ulps of the exact value (outputs are O(1))
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
+# float32: sums in another order; bf16: the reference rounds gate, up, act(gate) * up, each pair's output,
+# its weighting and every add of the scatter to bf16, where the kernels keep float32 from the down GEMM
+# on: measured up to 0.023 on outputs up to 1.8 (1.5 bf16 ulps there)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
 def experts_and_routing(num_experts, hidden, inter, tokens, top_k, act, dtype, seed=0):
