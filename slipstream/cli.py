@@ -36,6 +36,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=d.deterministic,
                         help="batch-invariant outputs (default: where they cost nothing, i.e. CPUs without AMX)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help="CUDA: size the KV cache to this fraction of GPU memory after profiling (replaces --kv-cache-memory)")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
+                        help="CUDA: --no-enforce-eager captures decode steps as CUDA graphs (off by default: untested on a GPU)")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
@@ -48,7 +52,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, device=args.device, speculative_config=args.speculative_config,
-        deterministic=args.deterministic)
+        deterministic=args.deterministic, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager)
 
 
 def _json_object(text: str) -> dict:

@@ -42,6 +42,12 @@ class EngineConfig:
     # batch-invariant outputs (the same bits whatever else is in the batch): True requires them,
     # False takes the fastest kernels, None (auto) has them where they cost nothing (CPUs without AMX)
     deterministic: bool | None = None
+    # CUDA: a fraction of the GPU's memory for weights, activations and KV cache together (vLLM's name);
+    # when set, the KV cache gets what a profiled forward pass leaves, in place of kv_cache_memory
+    gpu_memory_utilization: float | None = None
+    # CUDA: False captures decode steps as CUDA graphs (vLLM's name, default True here: no GPU run has
+    # shown the graphs correct yet)
+    enforce_eager: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -69,6 +75,12 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be a non-negative integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer or None")
-        if self.deterministic not in (None, True, False):
+        if not (self.deterministic is None or isinstance(self.deterministic, bool)):
             raise ValueError(f"deterministic={self.deterministic!r} must be True, False or None (auto)")
+        if self.gpu_memory_utilization is not None and (
+                isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be None or a fraction in (0, 1]")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -26,6 +26,10 @@ AttentionImpl = Callable[..., torch.Tensor]
 
 class Backend:
     name = "backend"
+    # Whether a bf16 (int8, int4) dense model's outputs on a bf16 KV cache are the same bits
+    # whatever else shares the step, however a prompt is chunked, cached or recomputed: one
+    # kernel and one reduction order per token. Library GEMMs and SDPA block by shape: no.
+    batch_invariant = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -47,10 +51,16 @@ class Backend:
         for the steps it serves (True), or None where the backend has none."""
         return None
 
-    # Whether a bf16 (int8, int4) dense model's outputs on a bf16 KV cache are the same bits
-    # whatever else shares the step, however a prompt is chunked, cached or recomputed: one
-    # kernel and one reduction order per token. Library GEMMs and SDPA block by shape: no.
-    batch_invariant = False
+    def kv_cache_memory(self, model: nn.Module, utilization: float, num_tokens: int, num_logits: int,
+                        block_size: int, dtype: torch.dtype) -> int:
+        """gpu_memory_utilization: KV-cache bytes after profiling a forward pass; devices without one refuse."""
+        raise ValueError(f"gpu_memory_utilization applies to CUDA devices; this engine runs on {self.device} "
+                         f"(set kv_cache_memory instead)")
+
+    def decode_graphs(self, model: nn.Module, kv_cache, max_num_seqs: int, max_model_len: int):
+        """enforce_eager=False: captured decode graphs for the model runner; backends without them refuse."""
+        raise ValueError(f"enforce_eager=False needs CUDA graphs, which only the cuda backend has; this engine "
+                         f"runs the {self.name} backend on {self.device}")
 
     def describe(self) -> list[str]:
         """Lines saying which implementation serves what, and why."""

@@ -61,7 +61,8 @@ class LLMEngine:
             self._check_deterministic(loaded.model)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        num_blocks = self.kv_cache.num_blocks - (0 if config.enforce_eager else 1)  # the last: CUDA graphs' scratch
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         spec = config.speculative_config
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -71,11 +72,14 @@ class LLMEngine:
         sampler = Sampler([GrammarBitmask(vocab)] + default_processors(eos))
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.backend, sampler,
                                   config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        if not config.enforce_eager:
+            self.runner.graphs = self.backend.decode_graphs(loaded.model, self.kv_cache, config.max_num_seqs,
+                                                            self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, vocab, eos)
         self._compiling: set[concurrent.futures.Future] = set()
         self._grammar_failures: queue.SimpleQueue[tuple[str, BaseException]] = queue.SimpleQueue()
         self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                        self.kv_cache.num_blocks, config.block_size)
+                                        num_blocks, config.block_size)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._last_log = time.monotonic()
@@ -83,7 +87,8 @@ class LLMEngine:
             self._calibrate_kv_cache()
         logger.info("model %s (%s) on %s, %s; KV cache %.0f MiB: %d blocks x %d tokens = %d tokens, %d bytes/token",
                     config.model, self.model_config.architecture, self.device, str(self.dtype).replace("torch.", ""),
-                    config.kv_cache_memory / 2**20, self.kv_cache.num_blocks, config.block_size,
+                    self.kv_cache.num_blocks * self.kv_cache.bytes_per_token * config.block_size / 2**20,
+                    self.kv_cache.num_blocks, config.block_size,
                     self.kv_cache.num_blocks * config.block_size, self.kv_cache.bytes_per_token)
         for line in self.backend.describe():
             logger.info("%s", line)
@@ -92,7 +97,12 @@ class LLMEngine:
         c = self.config
         kv_dtype = parse_kv_cache_dtype(c.kv_cache_dtype, self.dtype)
         shapes = [(attn.num_kv_heads, attn.head_dim) for attn in model.attention_layers()]
-        return KVCache(shapes, kv_dtype, self.dtype, c.kv_cache_memory, c.block_size, self.device,
+        memory = c.kv_cache_memory
+        if c.gpu_memory_utilization is not None:
+            longest = min(c.max_num_batched_tokens, c.max_model_len or self.model_config.max_position_embeddings)
+            memory = self.backend.kv_cache_memory(model, c.gpu_memory_utilization, longest, c.max_num_seqs,
+                                                  c.block_size, self.dtype)
+        return KVCache(shapes, kv_dtype, self.dtype, memory, c.block_size, self.device,
                        c.kv_cache_dense_layers, c.kv_cache_recent_tokens, c.max_num_seqs, c.kv_cache_sink_tokens)
 
     def _check_deterministic(self, model) -> None:

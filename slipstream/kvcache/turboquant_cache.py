@@ -50,6 +50,7 @@ class TurboQuantLayerCache:
         self.key_mean = torch.zeros(num_kv_heads, head_dim, device=device)
         self.key_scale = torch.ones(num_kv_heads, head_dim, device=device)
         self.calibrated = False
+        self.encoder = None  # encoder(rows, quantizer, x, slots, mean=None, scale=None), bound by a backend
         self._seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
@@ -103,6 +104,10 @@ class TurboQuantLayerCache:
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if not self.calibrated:
             raise RuntimeError("TurboQuantLayerCache.calibrate must run before the first write")
+        if self.encoder is not None:  # a backend's encoder (backends/cuda: Triton), tested against quantize
+            self.encoder(self.k, self.key_quantizer, k, slot_mapping, self.key_mean, self.key_scale)
+            self.encoder(self.v, self.value_quantizer, v, slot_mapping)
+            return
         if not (_native_write(self.k, self.key_quantizer, k, slot_mapping, self.key_mean, self.key_scale)
                 and _native_write(self.v, self.value_quantizer, v, slot_mapping)):
             self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self.key_quantizer.quantize(self.scaled_keys(k))

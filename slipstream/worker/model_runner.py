@@ -46,6 +46,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_tokens, max_num_seqs, max_blocks, kv_cache.block_size, backend.device)
         backend.bind_attention(model.attention_layers(), kv_cache.layers)
         model.use_decode_stack(backend.decode_stack(model))
+        self.graphs = None  # captured decode graphs (backends/cuda/graphs.py), set by the engine if enabled
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
@@ -53,8 +54,10 @@ class ModelRunner:
         if not rows:
             return RunnerOutput()
         input_ids, positions, meta = self.input_batch.prepare(rows)
-        with use_metadata(meta):
-            hidden = self.model(input_ids, positions)
+        hidden = None if self.graphs is None else self.graphs.replay(input_ids, positions, meta)
+        if hidden is None:
+            with use_metadata(meta):
+                hidden = self.model(input_ids, positions)
         plan = _logit_plan(rows)
         if not plan:  # prompt chunks that neither finish their prompt nor owe logprobs
             return RunnerOutput()

@@ -1,0 +1,116 @@
+"""The MoE expert-grouped GEMMs in Triton: fused gate/up + activation, then down with the routing weight.
+
+Owns: two kernels over the (token, expert) pairs sorted by expert (layers/moe.py's
+ExpertGroups). A program takes BLOCK_M pairs of one expert (a tile never mixes experts; the
+host lists the tiles from the group sizes it already has) and BLOCK_N output columns:
+`_gate_up` gathers its tokens' rows of x and writes act(x W_gate^T) * (x W_up^T) per pair in
+the model dtype; `_down` writes (h W_down^T) * weight per pair in float32. Must never know
+routers, checkpoints or models; layers/moe.py's torch path is the reference.
+
+The pairs' rows are then summed per token in a fixed order (backends/cuda/experts.py), not
+scattered with atomics: atomic adds would make a token's sum depend on which program ran
+first, and outputs must not depend on the batch.
+
+This module imports triton at import time: import it lazily.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.backends.cuda.paged_attention import _dot, interpreted
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # layers/mlp.py's names
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
+
+
+@triton.jit
+def _activate(g, ACT: tl.constexpr):
+    if ACT == 0:
+        y = g * tl.sigmoid(g)
+    else:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi) * (g + 0.044715 g^3)
+        y = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh(u) = 2 sigmoid(2u) - 1
+    return y
+
+
+@triton.jit
+def _gate_up(x, weight, tiles, token, out, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot,
+             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             INTERPRETED: tl.constexpr):
+    expert = tl.load(tiles + 3 * tl.program_id(0))
+    pairs = tl.load(tiles + 3 * tl.program_id(0) + 1) + tl.arange(0, BLOCK_M)
+    pair_ok = pairs < tl.load(tiles + 3 * tl.program_id(0) + 2)
+    rows = tl.load(token + pairs, mask=pair_ok, other=0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    w = weight + expert.to(tl.int64) * stride_we
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < hidden
+        a = tl.load(x + rows[:, None] * stride_xt + k[None, :], mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        wmask = k_ok[:, None] & col_ok[None, :]
+        wg = tl.load(w + cols[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w + (cols + inter)[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)
+        gate += _dot(a, wg, INTERPRETED)
+        up += _dot(a, wu, INTERPRETED)
+    h = _activate(gate.to(out.dtype.element_ty).to(tl.float32), ACT) * up.to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + pairs[:, None] * stride_ot + cols[None, :], h.to(out.dtype.element_ty),
+             mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down(h, weight, tiles, pair_weights, out, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    expert = tl.load(tiles + 3 * tl.program_id(0))
+    pairs = tl.load(tiles + 3 * tl.program_id(0) + 1) + tl.arange(0, BLOCK_M)
+    pair_ok = pairs < tl.load(tiles + 3 * tl.program_id(0) + 2)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w = weight + expert.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < inter
+        a = tl.load(h + pairs[:, None] * stride_ht + k[None, :], mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        wd = tl.load(w + cols[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += _dot(a, wd, INTERPRETED)
+    scale = tl.load(pair_weights + pairs, mask=pair_ok, other=0.0)
+    tl.store(out + pairs[:, None] * stride_ot + cols[None, :], acc * scale[:, None],
+             mask=pair_ok[:, None] & col_ok[None, :])
+
+
+def expert_tiles(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """int32 [tiles, 3]: (expert, first pair, end of the expert's pairs) per BLOCK_M pairs of one expert."""
+    tiles, start = [], 0
+    for e, n in enumerate(sizes):
+        tiles += [(e, s, start + n) for s in range(start, start + n, BLOCK_M)]
+        start += n
+    return torch.tensor(tiles, dtype=torch.int32).view(-1, 3).to(device)
+
+
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, token: torch.Tensor,
+                    pair_weights: torch.Tensor, sizes: list[int], act: str) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; the pairs sorted by expert (token [P], weights [P]
+    float32, pairs per expert). Returns each pair's weighted expert output [P, H] in float32."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"grouped experts: activation {act!r} has no kernel; allowed: {sorted(ACTIVATIONS)}")
+    if gate_up.stride(-1) != 1 or down.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError("grouped experts: x and the expert weights need unit stride along their last dim")
+    pairs, (hidden, inter) = len(token), down.shape[1:]
+    tiles = expert_tiles(sizes, x.device)
+    h = x.new_empty((pairs, inter))
+    out = x.new_empty((pairs, hidden), dtype=torch.float32)
+    if not len(tiles):
+        return out
+    interp = interpreted()
+    _gate_up[(len(tiles), triton.cdiv(inter, BLOCK_N))](
+        x, gate_up, tiles, token, h, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        ACT=ACTIVATIONS[act], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, INTERPRETED=interp)
+    _down[(len(tiles), triton.cdiv(hidden, BLOCK_N))](
+        h, down, tiles, pair_weights, out, hidden, inter, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, INTERPRETED=interp)
+    return out
