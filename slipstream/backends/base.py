@@ -62,6 +62,10 @@ class Backend:
         raise ValueError(f"enforce_eager=False needs CUDA graphs, which only the cuda backend has; this engine "
                          f"runs the {self.name} backend on {self.device}")
 
+    def invariance_gaps(self, model: nn.Module) -> list[str]:
+        """Where batch_invariant holds: the layers of `model` it does not cover, named."""
+        return []
+
     def describe(self) -> list[str]:
         """Lines saying which implementation serves what, and why."""
         return [self.name]

@@ -32,7 +32,6 @@ from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.calibration import MAX_TOKENS as CALIBRATION_TOKENS, calibration_text
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.layers.logits_processors import default_processors
-from slipstream.layers.moe import Experts
 from slipstream.layers.sampler import Sampler
 from slipstream.engine.model_loader import load_model
 from slipstream.outputs import RequestMetrics, RequestOutput
@@ -113,8 +112,7 @@ class LLMEngine:
             self.config.quantization not in (None, "int8", "int4"))
         gaps += [f"kv_cache_dtype {self.config.kv_cache_dtype!r} (a bfloat16 cache only)"] * (
             kv_dtype.dense != torch.bfloat16)
-        gaps += ["MoE experts (their kernels are chosen by group size)"] * any(
-            isinstance(m, Experts) for m in model.modules())
+        gaps += self.backend.invariance_gaps(model)
         if gaps:
             raise ValueError("deterministic=True: batch invariance does not cover " + "; ".join(gaps))
 

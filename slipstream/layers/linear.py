@@ -35,6 +35,7 @@ DENSE = LinearMethod()
 
 class Linear(nn.Linear):
     method: LinearMethod = DENSE
+    quantized = True  # whether a model's quantization applies to this layer
 
     def bind(self, method: LinearMethod) -> None:
         method.create(self)

@@ -31,25 +31,28 @@ from slipstream.layers.mlp import GatedMLP, activation
 from slipstream.layers.norm import rms_norm
 
 
-class TopKRouter(nn.Module):
-    """Scores -> softmax (float32) -> top-k; returns (weights [T, k] float32, expert ids [T, k])."""
+class TopKRouter(Linear):
+    """Scores -> softmax (float32) -> top-k; returns (weights [T, k] float32, expert ids [T, k]).
+    The scores are a linear layer's, so the backend binds their GEMM like any other (never
+    quantized: a quantized router moves tokens between experts)."""
+
+    quantized = False
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
                  input_scale: bool = False, per_expert_scale: bool = False, eps: float = 1e-6):
-        super().__init__()
+        super().__init__(hidden_size, num_experts, bias=False)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
         self.top_k = top_k
         self.renormalize = renormalize
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.scale = nn.Parameter(torch.ones(hidden_size)) if input_scale else None
         self.per_expert_scale = nn.Parameter(torch.ones(num_experts)) if per_expert_scale else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.scale is not None:  # Gemma 4: normalised input, learned scale, 1/sqrt(H)
             x = rms_norm(x, self.eps) * self.scale * x.shape[-1] ** -0.5
-        probs = F.linear(x, self.weight).float().softmax(dim=-1)
+        probs = super().forward(x).float().softmax(dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -46,6 +46,8 @@ def quantization_of(name: str, layer: Linear, quantization: str | None) -> str |
     """
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={quantization!r} is not supported; allowed: {', '.join(QUANTIZATION_METHODS)}")
+    if not layer.quantized:
+        return None
     if quantization in ("int4", "w8a8") and name == "lm_head":
         return "int8"
     if quantization == "int4" and layer.in_features % INT4_GROUP_SIZE:

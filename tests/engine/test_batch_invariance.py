@@ -5,6 +5,7 @@ the capability); refused, with the reason, for what they do not cover."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from slipstream import LLM, SamplingParams
 from slipstream.backends.cpu.backend import CpuBackend
@@ -109,9 +110,34 @@ def test_deterministic_refuses_what_it_does_not_cover(tiny_llama, kwargs, gap):
         LLM(tiny_llama, deterministic=True, **{"dtype": "bfloat16", **kwargs})
 
 
-def test_deterministic_refuses_moe_experts(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory) -> str:
+    """16 SiLU experts, top 2: a router and experts the native kernels tile."""
+    import transformers
+
+    from tests.models.test_moe_families import COMMON
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**dict(COMMON, intermediate_size=32, num_local_experts=16, num_experts_per_tok=2))
+    path = str(tmp_path_factory.mktemp("mixtral16"))
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("budget", [None, 7])
+def test_moe_batch_equals_alone(tiny_mixtral, prompts, budget):
+    """Every expert group through moe_expert.c whatever its size, a token's experts summed in expert order."""
+    llm = _llm(tiny_mixtral, None, enable_prefix_caching=False)
+    alone = [_outputs(llm.generate([p], PARAMS, use_tqdm=False))[0] for p in prompts]
+    batched = _llm(tiny_mixtral, None, **({} if budget is None else {"max_num_batched_tokens": budget}))
+    assert _outputs(batched.generate(prompts, PARAMS, use_tqdm=False)) == alone
+
+
+@pytest.mark.parametrize("family,gap", [("mixtral", "linear layers model.layers.0.mlp.gate"),  # a 4-expert router
+                                        ("gemma4_moe", "MoE experts model.layers.0.moe.experts")])  # GELU experts
+def test_deterministic_refuses_layers_no_invariant_kernel_serves(tmp_path, family, gap):
     from tests.models.test_moe_families import build_moe_checkpoint
 
     _skip_without_invariant_kernels()
-    with pytest.raises(ValueError, match="does not cover MoE experts"):
-        LLM(build_moe_checkpoint(str(tmp_path / "moe"), "mixtral"), dtype="bfloat16", deterministic=True)
+    with pytest.raises(ValueError, match=f"does not cover .*{gap}"):
+        LLM(build_moe_checkpoint(str(tmp_path / family), family), dtype="bfloat16", deterministic=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.gpu.steps import DEVICE, kernels
-from tests.gpu.test_turboquant_attention import build_cache
+from tests.gpu.test_triton_turboquant_attention import build_cache
 
 DTYPES = ["tq4", "tq3.5", "tq3", "tq2.5", "tq2", "tq4-qjl", "tq3-qjl", "tq2.5-qjl", "tq2-qjl"]
 

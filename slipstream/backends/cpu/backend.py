@@ -22,7 +22,7 @@ from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
 from slipstream.backends.cpu.linear import (INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy,
                                             NativeBf16, NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
-from slipstream.backends.cpu.moe import NATIVE_MIN_TOKENS, UPCAST_MIN_TOKENS, CpuExperts
+from slipstream.backends.cpu.moe import UPCAST_MIN_TOKENS, CpuExperts
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
@@ -44,7 +44,7 @@ class CpuBackend(ReferenceBackend):
                        "int4": NativeInt4(self.policy)}
         self.bf16 = OneDnnBf16(upcast) if torch.backends.mkldnn.is_available() else Upcast(upcast)
         expert_kernel = ("amx" if capability.amx_kernels else "avx512") if capability.moe_expert else None
-        self.experts = CpuExperts(expert_kernel, upcast)
+        self.experts = CpuExperts(expert_kernel, upcast, self.batch_invariant)
 
     @property
     def name(self) -> str:
@@ -72,6 +72,14 @@ class CpuBackend(ReferenceBackend):
 
     def decode_stack(self, model: nn.Module) -> DecodeStack | None:
         return DecodeStack(model.model.layers, self.policy) if self.capability.gemm else None
+
+    def invariance_gaps(self, model: nn.Module) -> list[str]:
+        native = (NativeBf16, NativeInt8, NativeInt4)
+        linear = [n for n, m in model.named_modules() if isinstance(m, Linear) and not isinstance(m.method, native)]
+        experts = [n for n, m in model.named_modules() if isinstance(m, Experts) and not self.experts.serves(m)]
+        return [f"{what} {_first(names)} ({why})" for what, names, why in (
+            ("linear layers", linear, "shapes gemm.c cannot tile"),
+            ("MoE experts", experts, "moe_expert.c takes SiLU experts of the shapes it tiles")) if names]
 
     def describe(self) -> list[str]:
         cap, native = self.capability, self.capability.kernels is not None
@@ -106,16 +114,22 @@ def _decode_stack_policy(policy: GemmPolicy) -> str:
 
 def _invariance(cap: CpuCapability, invariant: bool) -> str:
     if invariant:
-        return "on: bf16, int8 and int4 weights on bf16 KV caches (not MoE experts, TurboQuant caches or float32)"
+        return "on: bf16, int8 and int4 weights on bf16 KV caches (not TurboQuant caches or float32)"
     if cap.gemm:
         return ("off: --deterministic turns it on (one GEMM kernel per layer at every row count, prefill "
                 "attention through the decode kernel: 0.5-0.8x prefill, 0.6-0.7x int4 decode on AMX)")
     return "none (PyTorch's GEMMs and SDPA block their sums by shape)"
 
 
+def _first(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _experts_policy(experts: CpuExperts) -> str:
     if experts.kernel == "amx":
         return "moe_expert.c on AMX tiles for every group"
+    if experts.kernel and experts.min_tokens["avx512"] == 1:
+        return "moe_expert.c (float32 FMAs) for every group"
     if experts.kernel:
-        return f"moe_expert.c (float32 FMAs) for groups from {NATIVE_MIN_TOKENS['avx512']} tokens, bf16 torch below"
+        return f"moe_expert.c (float32 FMAs) for groups from {experts.min_tokens['avx512']} tokens, bf16 torch below"
     return "torch, one expert at a time" + (f", float32 from {UPCAST_MIN_TOKENS} tokens" if experts.upcast else "")

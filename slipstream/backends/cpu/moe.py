@@ -16,6 +16,10 @@ multiples of 32) is one call of the kernel's AMX version: bf16 tiles, the expert
 packed for them a panel at a time, silu(gate) * up rounded to bf16 once, the weighted sums
 added into one float32 output; it beats oneDNN's AMX kernel on the same expert at every group
 size. Without a fitting kernel, AMX CPUs keep the bf16 experts (oneDNN uses the tiles).
+
+Batch invariance (`invariant`): every group, whatever its size, takes the kernel, whose rows'
+sums do not depend on the rows beside them; a token's expert outputs are added in expert
+order into float32. Experts the kernel cannot take are not invariant (`serves` says so).
 """
 from __future__ import annotations
 
@@ -44,17 +48,23 @@ WIDEN_BLOCK = 1 << 19
 
 class CpuExperts(ExpertsMethod):
     """`kernel` ("amx", "avx512" or None): the moe_expert.c kernel this CPU runs; `upcast`:
-    large bf16 groups without a kernel go through float32 (CPUs without AMX)."""
+    large bf16 groups without a kernel go through float32 (CPUs without AMX); `invariant`:
+    every group through the kernel."""
 
-    def __init__(self, kernel: str | None, upcast: bool):
+    def __init__(self, kernel: str | None, upcast: bool, invariant: bool = False):
         self.kernel, self.upcast = kernel, upcast
+        self.min_tokens = dict.fromkeys(NATIVE_MIN_TOKENS, 1) if invariant else NATIVE_MIN_TOKENS
+
+    def serves(self, experts: Experts) -> bool:
+        """Whether the kernel takes these experts (SiLU, shapes it tiles)."""
+        return experts.silu and native_expert_fits(experts, self.kernel)
 
     def apply(self, experts: Experts, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             return super().apply(experts, x, groups)
         largest = max(groups.sizes)
-        kernel = self.kernel if experts.silu and native_expert_fits(experts, self.kernel) else None
-        if kernel is not None and largest >= NATIVE_MIN_TOKENS[kernel]:
+        kernel = self.kernel if self.serves(experts) else None
+        if kernel is not None and largest >= self.min_tokens[kernel]:
             return self.native(experts, x.contiguous(), groups, kernel)
         if self.upcast and largest >= UPCAST_MIN_TOKENS:
             return self.float32(experts, x, groups)
@@ -67,7 +77,7 @@ class CpuExperts(ExpertsMethod):
         out, start = torch.zeros(x.shape, dtype=torch.float32), 0
         for e, n in enumerate(groups.sizes):
             token, pair_weights = groups.token[start:start + n], groups.pair_weights[start:start + n]
-            if n >= NATIVE_MIN_TOKENS[kernel]:
+            if n >= self.min_tokens[kernel]:
                 native_expert(x, token, pair_weights, experts.gate_up_proj[e], experts.down_proj[e], out, kernel)
             elif n:
                 out.index_add_(0, token, experts.expert(e, x[token]).float().mul_(pair_weights.unsqueeze(1)))
