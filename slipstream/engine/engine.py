@@ -52,7 +52,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.backend = select_backend(self.device)
-        loaded = load_model(config.model, self.dtype, self.backend, config.quantization)
+        loaded = load_model(config.model, self.dtype, self.backend, config.quantization, widen=config.dtype != "auto")
         self.model_path, self.model_config = loaded.path, loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_cache = self._allocate_kv_cache(loaded.model)
@@ -78,8 +78,10 @@ class LLMEngine:
         self._last_log = time.monotonic()
         if self.kv_cache.needs_calibration:
             self._calibrate_kv_cache()
-        logger.info("model %s (%s) on %s, %s; KV cache %.0f MiB: %d blocks x %d tokens = %d tokens, %d bytes/token",
-                    config.model, self.model_config.architecture, self.device, str(self.dtype).replace("torch.", ""),
+        self.quantization = loaded.quantization
+        logger.info("model %s (%s) on %s, %s, weights %s; KV cache %.0f MiB: %d blocks x %d tokens = %d tokens, "
+                    "%d bytes/token", config.model, self.model_config.architecture, self.device,
+                    str(self.dtype).replace("torch.", ""), _weights_description(loaded.quantization),
                     config.kv_cache_memory / 2**20, self.kv_cache.num_blocks, config.block_size,
                     self.kv_cache.num_blocks * config.block_size, self.kv_cache.bytes_per_token)
         for line in self.backend.describe():
@@ -266,3 +268,8 @@ class LLMEngine:
                     "fragmentation %.1f%%", s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
                     100 * s["prefix_cache_hit_rate"], s["num_preemptions"], 100 * s["fragmentation"])
 
+
+
+def _weights_description(quantization: str | None) -> str:
+    return {None: "as loaded", "gguf": "as the GGUF file stores them (quantization='gguf')"}.get(
+        quantization, f"quantization={quantization!r}")
