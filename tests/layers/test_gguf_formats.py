@@ -144,3 +144,63 @@ def test_bad_blocks_are_clear_errors():
         block_format("Q4_K").row_bytes(320)
     with pytest.raises(ValueError, match=r"does not fit a 16x64 layer"):
         attach_to(Linear(64, 16), GGUFWeight.from_blocks("Q8_0", random_blocks("Q8_0", 8, 64), 64))
+
+
+# --- native kernels (kernels/gguf_gemm.c) -----------------------------------------------------
+NATIVE_FP32_TOL = 1e-6  # relative to |W| . |Q(x)|: float32 sums in another order; measured <= 1e-7
+
+
+def kernel_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the kernel quantizes it (int8 per 32-block, dx = max|x| / 127, nearest even), and dx per element."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    dx = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(dx > 0, 1 / dx, 0))
+    return (q * dx).reshape(x.shape), dx.expand_as(blocks).reshape(x.shape)
+
+
+def check_native(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """The kernel is dequantize-then-multiply on x quantized to int8 per 32-block, to float32
+    rounding; against x itself it is within the quantization's own bound, sum |w| dx / 2."""
+    xq, dx = kernel_quantized(x)
+    scale = xq.abs().double() @ w.abs().T.double()
+    assert ((out.double() - xq.double() @ w.T.double()).abs() <= NATIVE_FP32_TOL * scale + 1e-30).all()
+    bound = (dx.double() / 2) @ w.abs().T.double() + NATIVE_FP32_TOL * scale
+    assert ((out.double() - x.double() @ w.T.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_native_gemm_equals_dequantize_then_multiply_over_every_tile_remainder(fmt_name, isa):
+    from slipstream.backends.cpu import abi
+    from slipstream.backends.cpu.gguf_linear import gguf_gemm
+
+    fmt = block_format(fmt_name)
+    k = 3 * fmt.block_size
+    for m, n in [(1, 1), (1, 7), (2, 9), (4, 6), (5, 3), (7, 17), (9, 4)]:  # tiles of 4x1 and 2x4 rows, and edges
+        blocks = random_blocks(fmt_name, n, k, seed=m * 31 + n)
+        x = torch.randn(m, k) * torch.rand(m, k // 32, 1).repeat_interleave(32, 1).reshape(m, k)
+        out = torch.full((m, n + 2), float("nan"))  # a row stride wider than N: a segment's columns
+        gguf_gemm(abi.kernels(), x, fmt.ggml_type, blocks, out, k)
+        assert out[:, n:].isnan().all(), "wrote outside its columns"
+        check_native(out[:, :n], x, dequantize_rows(fmt, blocks))
+
+
+def test_native_method_serves_mixed_segments_like_the_torch_twin(isa):
+    from slipstream.backends.cpu import abi
+    from slipstream.backends.cpu.gguf_linear import NativeGGUF
+
+    w = _mixed_weight()
+    layer = Linear(256, 80, bias=False)
+    attach_to(layer, w)
+    layer.bind(NativeGGUF(abi.kernels()))
+    x = torch.randn(6, 256)
+    check_native(layer(x), x, w.dequantize())
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_cpu_backend_takes_the_torch_twin_without_kernels(no_native_kernels):
+    from slipstream.backends.cpu.backend import CpuBackend
+    from slipstream.backends.cpu.capability import CpuCapability
+
+    layer = Linear(256, 80, bias=False)
+    attach_to(layer, _mixed_weight())
+    assert type(CpuBackend(CpuCapability.detect()).linear_method(layer, "gguf")) is GGUFLinear

@@ -1,0 +1,318 @@
+// y[M, N] (row stride ldy) = x[M, K] . W[N, K]^T for float32 x and y, W in one of GGUF's block
+// formats exactly as the file stores it: each row of W a run of blocks along K (the `format`
+// argument is the file's ggml type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13,
+// Q6_K 14). Decode is bound by the bytes of W it streams, so W is never widened in memory.
+//
+// The design is llama.cpp's (our own code): x is quantized once per call to int8 in blocks of
+// 32 along K with a float scale dx per block (round to nearest, dx = max|x| / 127), and every
+// group of 32 weights, whatever its format, is seen as integer codes c with a float scale s and
+// offset b per 16 of them (w = s * c + b): Q4_0 s = d, b = -8d; Q4_1 s = d, b = m; Q5_0 and Q5_1
+// alike with 5-bit codes; Q8_0 s = d, b = 0 with signed codes; Q4_K / Q5_K s = d * sc,
+// b = -dmin * mn per group; Q6_K s = d * sc, b = -32 d sc per 16. Then
+//   sum w . x = dx * (s_lo * (c . xq)_lo + s_hi * (c . xq)_hi) + dx * (b_lo * sum xq_lo + b_hi * sum xq_hi),
+// the dot products in exact int32 (VNNI vpdpbusd u8 x s8, or AVX2 vpmaddubsw + vpmaddwd, which
+// cannot saturate: |c| <= 128 and |xq| <= 127), the sums of xq per 16 taken once per call. The
+// only error beyond float32 rounding is the quantization of x: at most dx / 2 per element.
+//
+// Each thread takes an equal share of W's rows and streams each once per tile of MR rows of x.
+// A plain-C path computes the same sums where AVX2 is absent.
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define MR 4  // rows of x per pass over a row of W
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+typedef struct {        // one 32-block of a row of x: its scale, and its codes' sums (whole, halves) times it
+    float d, dsum, dsum_lo, dsum_hi;
+} XBlock;
+
+typedef struct {        // x quantized: per row K int8 codes and K/32 XBlocks
+    const int8_t *q;
+    const XBlock *b;
+    int64_t k;
+} Acts;
+
+typedef struct {        // one group of 32 weights: w = s * c + b per half of 16
+    float s_lo, s_hi, b_lo, b_hi;
+} Scales;
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else {  // zero or subnormal: man * 2^-24, exact in float32
+        float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static void k_scale_min(const uint8_t *s, int g, int *sc, int *mn) {  // Q4_K / Q5_K 6-bit scales
+    if (g < 4) {
+        *sc = s[g] & 63;
+        *mn = s[g + 4] & 63;
+    } else {
+        *sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 6) << 4);
+        *mn = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+    }
+}
+
+static inline int block_size(int format) { return format >= Q4_K ? 256 : 32; }
+
+static inline int type_size(int format) {
+    switch (format) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+// the scales of group g (of 32 weights) of block blk
+static inline Scales group_scales(int format, const uint8_t *blk, int g) {
+    float d = half_to_float(blk);
+    switch (format) {
+    case Q4_0: return (Scales){d, d, -8 * d, -8 * d};
+    case Q5_0: return (Scales){d, d, -16 * d, -16 * d};
+    case Q4_1: case Q5_1: {
+        float m = half_to_float(blk + 2);
+        return (Scales){d, d, m, m};
+    }
+    case Q8_0: return (Scales){d, d, 0, 0};
+    case Q4_K: case Q5_K: {
+        int sc, mn;
+        k_scale_min(blk + 4, g, &sc, &mn);
+        float s = d * sc, b = -half_to_float(blk + 2) * mn;
+        return (Scales){s, s, b, b};
+    }
+    default: {  // Q6_K: int8 scales per 16, d at the end
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        float d6 = half_to_float(blk + 208), lo = d6 * sc[2 * g], hi = d6 * sc[2 * g + 1];
+        return (Scales){lo, hi, -32 * lo, -32 * hi};
+    }
+    }
+}
+
+#if defined(__AVX2__)
+static inline __m256i nibbles32(const uint8_t *qs) {  // 16 bytes -> low nibbles, then high nibbles
+    __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+static inline __m256i fifth_bits(const uint8_t *qh) {  // 32 bits -> 16 where set, byte per bit
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                    _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    __m256i mask = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask), _mm256_set1_epi8(16));
+}
+
+static inline __m256i bits_at(__m256i v, int shift, int mask) {  // (v >> shift) & mask per byte
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+}
+
+static inline __m256i group_vector(int format, const uint8_t *blk, int g) {
+    switch (format) {
+    case Q4_0: return nibbles32(blk + 2);
+    case Q4_1: return nibbles32(blk + 4);
+    case Q5_0: return _mm256_or_si256(nibbles32(blk + 6), fifth_bits(blk + 2));
+    case Q5_1: return _mm256_or_si256(nibbles32(blk + 8), fifth_bits(blk + 4));
+    case Q8_0: return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    case Q4_K: return bits_at(_mm256_loadu_si256((const __m256i *)(blk + 16 + (g / 2) * 32)), 4 * (g % 2), 15);
+    case Q5_K: {
+        __m256i low = bits_at(_mm256_loadu_si256((const __m256i *)(blk + 48 + (g / 2) * 32)), 4 * (g % 2), 15);
+        __m256i high = bits_at(_mm256_loadu_si256((const __m256i *)(blk + 16)), g, 1);
+        return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    }
+    default: {
+        int h = g / 4, j = g % 4;
+        __m256i low = bits_at(_mm256_loadu_si256((const __m256i *)(blk + h * 64 + (j % 2) * 32)), 4 * (j / 2), 15);
+        __m256i high = bits_at(_mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32)), 2 * j, 3);
+        return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    }
+    }
+}
+
+static inline __m256i dot_u8_s8(__m256i u, __m256i s) {  // 8 int32 sums of 4 products each
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// out[r * ldo + c] = row c of W (of NW rows from w) . row r of x (of MR rows), for constant NW and MR:
+// NW * MR independent sums hide the latency of each one's chain of FMAs
+static inline __attribute__((always_inline)) void tile(int format, int nw, int mr, const uint8_t *w,
+                                                       int64_t row_bytes, const Acts *a, float *out, int64_t ldo) {
+    __m256 acc[4][4];
+    float off[4][4];
+    for (int c = 0; c < nw; c++)
+        for (int r = 0; r < mr; r++) acc[c][r] = _mm256_setzero_ps(), off[c][r] = 0;
+    int groups = block_size(format) / 32, size = type_size(format);
+    for (int64_t b = 0; b < a->k / block_size(format); b++)
+        for (int g = 0; g < groups; g++) {
+            int64_t j = b * groups + g;  // the 32-block of x
+            for (int c = 0; c < nw; c++) {
+                const uint8_t *blk = w + c * row_bytes + b * size;
+                __m256i codes = group_vector(format, blk, g);
+                Scales s = group_scales(format, blk, g);
+                __m256 scale = _mm256_setr_m128(_mm_set1_ps(s.s_lo), _mm_set1_ps(s.s_hi));
+                // Q8_0's codes are signed: |c| times x with c's sign, the same products
+                __m256i u = format == Q8_0 ? _mm256_sign_epi8(codes, codes) : codes;
+                for (int r = 0; r < mr; r++) {
+                    __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + r * a->k + j * 32));
+                    const XBlock *xb = a->b + r * (a->k / 32) + j;
+                    __m256i prod = dot_u8_s8(u, format == Q8_0 ? _mm256_sign_epi8(xq, codes) : xq);
+                    acc[c][r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb->d)), _mm256_cvtepi32_ps(prod),
+                                                acc[c][r]);
+                    off[c][r] += format == Q6_K ? s.b_lo * xb->dsum_lo + s.b_hi * xb->dsum_hi : s.b_lo * xb->dsum;
+                }
+            }
+        }
+    for (int c = 0; c < nw; c++)
+        for (int r = 0; r < mr; r++) out[r * ldo + c] = hsum(acc[c][r]) + off[c][r];
+}
+#else  // plain C: the same sums, one code at a time
+// group g's 32 codes in order, for the plain-C path (Q8_0's are signed)
+static void group_codes(int format, const uint8_t *blk, int g, int32_t c[32]) {
+    for (int l = 0; l < 32; l++) {
+        switch (format) {
+        case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+            const uint8_t *qs = blk + (format == Q4_0 ? 2 : format == Q5_1 ? 8 : format == Q5_0 ? 6 : 4);
+            c[l] = l < 16 ? qs[l] & 15 : qs[l - 16] >> 4;
+            if (format == Q5_0 || format == Q5_1) {
+                const uint8_t *qh = blk + (format == Q5_0 ? 2 : 4);
+                c[l] |= ((qh[l / 8] >> (l % 8)) & 1) << 4;
+            }
+            break;
+        }
+        case Q8_0: c[l] = ((const int8_t *)(blk + 2))[l]; break;
+        case Q4_K: c[l] = (blk[16 + (g / 2) * 32 + l] >> (4 * (g % 2))) & 15; break;
+        case Q5_K: c[l] = ((blk[48 + (g / 2) * 32 + l] >> (4 * (g % 2))) & 15) | (((blk[16 + l] >> g) & 1) << 4); break;
+        default: {  // Q6_K: halves of 128, four groups each
+            int h = g / 4, j = g % 4;
+            int low = (blk[h * 64 + (j % 2) * 32 + l] >> (4 * (j / 2))) & 15;
+            c[l] = low | (((blk[128 + h * 32 + l] >> (2 * j)) & 3) << 4);
+        }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(int format, int nw, int mr, const uint8_t *w,
+                                                       int64_t row_bytes, const Acts *a, float *out, int64_t ldo) {
+    int groups = block_size(format) / 32, size = type_size(format);
+    int32_t codes[32];
+    for (int c = 0; c < nw; c++)
+        for (int r = 0; r < mr; r++) out[r * ldo + c] = 0;
+    for (int64_t b = 0; b < a->k / block_size(format); b++)
+        for (int g = 0; g < groups; g++)
+            for (int c = 0; c < nw; c++) {
+                const uint8_t *blk = w + c * row_bytes + b * size;
+                group_codes(format, blk, g, codes);
+                Scales s = group_scales(format, blk, g);
+                int64_t j = b * groups + g;
+                for (int r = 0; r < mr; r++) {
+                    const int8_t *xq = a->q + r * a->k + j * 32;
+                    const XBlock *xb = a->b + r * (a->k / 32) + j;
+                    int32_t lo = 0, hi = 0;
+                    for (int l = 0; l < 16; l++) lo += codes[l] * xq[l], hi += codes[l + 16] * xq[l + 16];
+                    out[r * ldo + c] += xb->d * (s.s_lo * lo + s.s_hi * hi) + s.b_lo * xb->dsum_lo + s.b_hi * xb->dsum_hi;
+                }
+            }
+}
+#endif
+
+// the tile shapes a call uses: 4 rows of W by 1 of x (decode), 2 by 4 (batches), and their edges
+#define TILES(F)                                                                            \
+    case F:                                                                                 \
+        if (mr == 4) nw == 2 ? tile(F, 2, 4, w, rb, a, out, ldo) : tile(F, 1, 4, w, rb, a, out, ldo); \
+        else nw == 4 ? tile(F, 4, 1, w, rb, a, out, ldo) : tile(F, 1, 1, w, rb, a, out, ldo);         \
+        break;
+
+// one copy of `tile` per format and shape, with the unpacking and scales resolved at compile time
+static void tile_of(int format, int nw, int mr, const uint8_t *w, int64_t rb, const Acts *a, float *out, int64_t ldo) {
+    switch (format) {
+    TILES(Q4_0) TILES(Q4_1) TILES(Q5_0) TILES(Q5_1) TILES(Q8_0) TILES(Q4_K) TILES(Q5_K) TILES(Q6_K)
+    }
+}
+
+static void quantize_row(const float *x, int64_t k, int8_t *q, XBlock *xb) {
+    for (int64_t j = 0; j < k / 32; j++) {
+        const float *v = x + j * 32;
+        float amax = 0;
+        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(v[l]));
+        float dx = amax / 127, inv = dx > 0 ? 1 / dx : 0;
+        int32_t sum[2] = {0, 0};
+        for (int l = 0; l < 32; l++) sum[l / 16] += q[j * 32 + l] = (int8_t)lrintf(v[l] * inv);
+        xb[j] = (XBlock){dx, dx * (float)(sum[0] + sum[1]), dx * (float)sum[0], dx * (float)sum[1]};
+    }
+}
+
+// W's rows [c0, c1) times every row of x
+static void columns(int format, const uint8_t *w, int64_t rb, const int8_t *q, const XBlock *xb, float *y,
+                    int64_t m, int64_t k, int64_t ldy, int64_t c0, int64_t c1) {
+    for (int64_t i = 0; i < m;) {
+        int mr = m - i >= 4 ? 4 : 1;
+        Acts a = {q + i * k, xb + i * (k / 32), k};
+        int full = mr == 4 ? 2 : 4;
+        for (int64_t c = c0; c < c1;) {
+            int nw = c1 - c >= full ? full : 1;
+            tile_of(format, nw, mr, w + c * rb, rb, &a, y + i * ldy + c, ldy);
+            c += nw;
+        }
+        i += mr;
+    }
+}
+
+// 0, or -1 for a format without a kernel, K not whole blocks, or no memory for x's codes
+int gguf_gemm(int32_t format, const float *x, const uint8_t *w, float *y, int64_t m, int64_t n, int64_t k,
+              int64_t ldy, int32_t threads) {
+    if (type_size(format) == 0 || k % block_size(format)) return -1;
+    int8_t *q = malloc((size_t)(m * k));
+    XBlock *xb = malloc((size_t)(m * (k / 32)) * sizeof(XBlock));
+    int status = q && xb ? 0 : -1;
+    if (status == 0) {
+        for (int64_t i = 0; i < m; i++) quantize_row(x + i * k, k, q + i * k, xb + i * (k / 32));
+        int64_t rb = k / block_size(format) * type_size(format);
+#pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            // equal shares of W's rows, on multiples of 4 so that tiles stay whole
+            int64_t share = (n + 4 * nt - 1) / (4 * nt) * 4, c0 = t * share, c1 = c0 + share < n ? c0 + share : n;
+            if (c0 < c1) columns(format, w, rb, q, xb, y, m, k, ldy, c0, c1);
+        }
+    }
+    free(q);
+    free(xb);
+    return status;
+}
