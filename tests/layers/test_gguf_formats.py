@@ -147,25 +147,13 @@ def test_bad_blocks_are_clear_errors():
 
 
 # --- native kernels (kernels/gguf_gemm.c) -----------------------------------------------------
-NATIVE_FP32_TOL = 1e-6  # relative to |W| . |Q(x)|: float32 sums in another order; measured <= 1e-7
-
-
-def kernel_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the kernel quantizes it (int8 per 32-block, dx = max|x| / 127, nearest even), and dx per element."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    dx = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(blocks * torch.where(dx > 0, 1 / dx, 0))
-    return (q * dx).reshape(x.shape), dx.expand_as(blocks).reshape(x.shape)
+NATIVE_TOL = 1e-6  # relative to |x| . |W|: float32 sums in another order; measured <= 6e-7 on random blocks
 
 
 def check_native(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """The kernel is dequantize-then-multiply on x quantized to int8 per 32-block, to float32
-    rounding; against x itself it is within the quantization's own bound, sum |w| dx / 2."""
-    xq, dx = kernel_quantized(x)
-    scale = xq.abs().double() @ w.abs().T.double()
-    assert ((out.double() - xq.double() @ w.T.double()).abs() <= NATIVE_FP32_TOL * scale + 1e-30).all()
-    bound = (dx.double() / 2) @ w.abs().T.double() + NATIVE_FP32_TOL * scale
-    assert ((out.double() - x.double() @ w.T.double()).abs() <= bound).all()
+    """The kernel is dequantize-then-multiply to float32 rounding."""
+    scale = x.abs().double() @ w.abs().T.double()
+    assert ((out.double() - x.double() @ w.T.double()).abs() <= NATIVE_TOL * scale).all()
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)
