@@ -172,16 +172,29 @@ def test_native_gemm_equals_dequantize_then_multiply_over_every_tile_remainder(f
         check_native(out[:, :n], x, dequantize_rows(fmt, blocks))
 
 
-def test_native_method_serves_mixed_segments_like_the_torch_twin(isa):
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_native_dequantization_equals_the_torch_twin(fmt_name, isa):
+    """Exactly: the same values (its zeros are +0 where d * (q - 8) may give -0)."""
     from slipstream.backends.cpu import abi
-    from slipstream.backends.cpu.gguf_linear import NativeGGUF
+    from slipstream.backends.cpu.gguf_linear import dequantize
 
+    fmt = block_format(fmt_name)
+    blocks = random_blocks(fmt_name, rows=5, k=2 * fmt.block_size)
+    ours = dequantize(abi.kernels(), fmt.ggml_type, blocks, 2 * fmt.block_size)
+    assert torch.equal(ours, dequantize_rows(fmt, blocks))
+
+
+@pytest.mark.parametrize("rows", [6, 40])  # the native GEMM, and dequantized tiles on a dense GEMM
+def test_native_method_serves_mixed_segments_like_the_torch_twin(rows, isa, monkeypatch):
+    from slipstream.backends.cpu import abi, gguf_linear
+
+    monkeypatch.setattr(gguf_linear, "DEQUANTIZE_TILE", 20 * 256)  # several tiles, the last one short
     w = _mixed_weight()
-    layer = Linear(256, 80, bias=False)
+    layer = Linear(256, 80, bias=True)
     attach_to(layer, w)
-    layer.bind(NativeGGUF(abi.kernels()))
-    x = torch.randn(6, 256)
-    check_native(layer(x), x, w.dequantize())
+    layer.bind(gguf_linear.NativeGGUF(abi.kernels()))
+    x = torch.randn(rows, 256)
+    check_native(layer(x) - layer.bias, x, w.dequantize())
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 

@@ -173,6 +173,14 @@ static inline void group_floats(int format, const uint8_t *blk, int g, __m512 *l
     *hi = _mm512_cvtepi32_ps(format == Q8_0 ? _mm512_cvtepi8_epi32(c1) : _mm512_cvtepu8_epi32(c1));
 }
 
+static inline void dequantize_group(int format, const uint8_t *blk, int g, float *out) {
+    __m512 lo, hi;
+    group_floats(format, blk, g, &lo, &hi);
+    Scales s = group_scales(format, blk, g);
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_set1_ps(s.s_lo), lo, _mm512_set1_ps(s.b_lo)));
+    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_set1_ps(s.s_hi), hi, _mm512_set1_ps(s.b_hi)));
+}
+
 // out[r * ldo + c] = row c of W (of NW rows from w) . row r of x (of MR rows), for constant NW and MR:
 // NW * MR independent sums hide the latency of each one's chain of FMAs
 static inline __attribute__((always_inline)) void tile(int format, int nw, int mr, const uint8_t *w,
@@ -213,6 +221,16 @@ static inline __m256 widen8(__m256i c, int part, int is_signed) {  // codes 8 * 
     __m128i half = part < 2 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
     __m128i eight = part % 2 ? _mm_unpackhi_epi64(half, half) : half;
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+}
+
+static inline void dequantize_group(int format, const uint8_t *blk, int g, float *out) {
+    __m256i codes = group_vector(format, blk, g);
+    Scales s = group_scales(format, blk, g);
+    for (int part = 0; part < 4; part++) {
+        float sc = part < 2 ? s.s_lo : s.s_hi, off = part < 2 ? s.b_lo : s.b_hi;
+        _mm256_storeu_ps(out + 8 * part,
+                         _mm256_fmadd_ps(_mm256_set1_ps(sc), widen8(codes, part, format == Q8_0), _mm256_set1_ps(off)));
+    }
 }
 
 static inline float hsum(__m256 v) {
@@ -300,6 +318,13 @@ static inline __attribute__((always_inline)) void tile(int format, int nw, int m
                 }
             }
 }
+
+static inline void dequantize_group(int format, const uint8_t *blk, int g, float *out) {
+    int32_t codes[32];
+    group_codes(format, blk, g, codes);
+    Scales s = group_scales(format, blk, g);
+    for (int l = 0; l < 32; l++) out[l] = l < 16 ? s.s_lo * codes[l] + s.b_lo : s.s_hi * codes[l] + s.b_hi;
+}
 #endif
 
 // the tile shapes a call uses: 4 rows of W by 1 of x (decode), 2 by 4 (batches), and their edges
@@ -356,5 +381,33 @@ int gguf_gemm(int32_t format, const float *x, const uint8_t *w, float *y, int64_
         if (c0 < c1) columns(format, w, rb, x, xs, y, m, k, ldy, c0, c1);
     }
     free(xs);
+    return 0;
+}
+
+// one copy per format, as for the GEMM
+static void dequantize_row(int format, const uint8_t *w, int64_t k, float *out) {
+    int groups = block_size(format) / 32, size = type_size(format);
+    for (int64_t b = 0; b < k / block_size(format); b++)
+        for (int g = 0; g < groups; g++) dequantize_group(format, w + b * size, g, out + (b * groups + g) * 32);
+}
+
+#define DEQUANTIZE(F) \
+    case F:           \
+        dequantize_row(F, w, k, out); \
+        break;
+
+static void dequantize_row_of(int format, const uint8_t *w, int64_t k, float *out) {
+    switch (format) { DEQUANTIZE(Q4_0) DEQUANTIZE(Q4_1) DEQUANTIZE(Q5_0) DEQUANTIZE(Q5_1) DEQUANTIZE(Q8_0)
+                      DEQUANTIZE(Q4_K) DEQUANTIZE(Q5_K) DEQUANTIZE(Q6_K) }
+}
+
+// out[N, K] float32 = W's blocks dequantized, w = s * c + b (tests hold the values to the torch twin's;
+// zeros come out +0); 0, or -1 for a format without a kernel or K not whole blocks. Large batches
+// multiply such tiles on a dense GEMM.
+int gguf_dequantize(int32_t format, const uint8_t *w, float *out, int64_t n, int64_t k, int32_t threads) {
+    if (type_size(format) == 0 || k % block_size(format)) return -1;
+    int64_t rb = k / block_size(format) * type_size(format);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row = 0; row < n; row++) dequantize_row_of(format, w + row * rb, k, out + row * k);
     return 0;
 }
