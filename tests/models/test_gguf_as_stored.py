@@ -83,3 +83,25 @@ def test_format_is_chosen_from_file_and_dtype(smollm2_gguf, tiny_llama):
     assert LLM(tiny_llama, dtype="float32", quantization="int4").engine.quantization == "int4"
     with pytest.raises(ValueError, match=r"quantization='gguf' runs a GGUF file's blocks; .* is not a .gguf file"):
         LLM(tiny_llama, quantization="gguf")
+
+
+@pytest.mark.slow
+def test_gemma3_as_stored_in_float32_matches_the_widened_path():
+    """Gemma 3's file mixes Q5_0, Q4_K, Q6_K and Q8_0 (q/k and v of one projection in different
+    formats) and stores norms as 1 + w; widened to float32 it is held to transformers by
+    test_gemma3.py, so as stored it must give the same tokens and logprobs to float32 rounding."""
+    import argparse
+
+    prompts = None
+    results = []
+    for kwargs in (dict(quantization="gguf"), dict()):
+        llm = LLM("gemma3-270m", dtype="float32", max_num_batched_tokens=256, kv_cache_memory=64 * 2**20, **kwargs)
+        assert llm.engine.quantization == kwargs.get("quantization")
+        prompts = prompts or [llm.get_tokenizer()(t).input_ids for t in ("The capital of France is", argparse.__doc__)]
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        del llm
+    for stored, widened in zip(*results):
+        assert stored.outputs[0].token_ids == widened.outputs[0].token_ids
+        ours, ref = ([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in (stored, widened))
+        assert (torch.tensor(ours) - torch.tensor(ref)).abs().max() < FP32_LOGPROB_TOL
