@@ -14,8 +14,8 @@ never knows layers, files or kernels.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

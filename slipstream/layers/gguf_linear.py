@@ -79,7 +79,7 @@ def attach(model: nn.Module, param_name: str, weight: GGUFWeight) -> None:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, GGUFEmbedding(weight))
         else:
-            raise ValueError(f"{param_name!r} belongs to a {type(module).__name__}, which cannot hold GGUF blocks")
+            raise TypeError(f"{param_name!r} belongs to a {type(module).__name__}, which cannot hold GGUF blocks")
 
 
 def _attach_linear(layer: Linear, weight: GGUFWeight) -> None:

@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.layers.gguf_formats import FORMATS, block_format, dequantize_rows
-from slipstream.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight, attach, segments
+from slipstream.layers.gguf_linear import (
+    GGUFEmbedding,
+    GGUFLinear,
+    GGUFWeight,
+    attach,
+    segments,
+)
 from slipstream.layers.linear import Linear
 
 # where each format keeps its fp16 scale (and minimum) bytes: random bytes there would be inf/NaN

@@ -94,7 +94,7 @@ def test_gemma3_as_stored_in_float32_matches_the_widened_path():
 
     prompts = None
     results = []
-    for kwargs in (dict(quantization="gguf"), dict()):
+    for kwargs in ({"quantization": "gguf"}, {}):
         llm = LLM("gemma3-270m", dtype="float32", max_num_batched_tokens=256, kv_cache_memory=64 * 2**20, **kwargs)
         assert llm.engine.quantization == kwargs.get("quantization")
         prompts = prompts or [llm.get_tokenizer()(t).input_ids for t in ("The capital of France is", argparse.__doc__)]
