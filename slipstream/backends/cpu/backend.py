@@ -20,7 +20,7 @@ from slipstream.backends.base import AttentionImpl
 from slipstream.backends.cpu.attention import dense_decode, turboquant_decode, turboquant_prefill
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
-from slipstream.backends.cpu.gguf_linear import NativeGGUF
+from slipstream.backends.cpu.gguf_linear import DEQUANTIZE_MIN_ROWS, NativeGGUF
 from slipstream.backends.cpu.linear import (AMX_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy, NativeBf16,
                                             NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
 from slipstream.backends.cpu.moe import NATIVE_MIN_TOKENS, UPCAST_MIN_TOKENS, CpuExperts
@@ -77,8 +77,9 @@ class CpuBackend(ReferenceBackend):
                 "attention: " + ("native decode kernels on bf16 caches; TurboQuant codes natively for decode and "
                                  "prefill over a cached prefix; torch for other prefill" if native else "torch"),
                 "linear: " + _linear_policy(cap),
-                "GGUF weights: " + ("as stored, kernels/gguf_gemm.c on int8-quantized activations" if native
-                                    else "as stored, dequantized per call (torch)"),
+                "GGUF weights: " + ("as stored (quantization='gguf'), kernels/gguf_gemm.c below "
+                                    f"{DEQUANTIZE_MIN_ROWS} rows, dequantized tiles on oneDNN above; the per-layer "
+                                    "path, not the decode stack" if native else "as stored, dequantized per call (torch)"),
                 "MoE experts: " + _experts_policy(self.experts),
                 "decode stack: " + _decode_stack_policy(cap)]
 
