@@ -18,7 +18,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=d.model, help="bundled alias, .gguf file or HF checkpoint directory")
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_METHODS,
-                        help="int8 / int4: weight-only; w8a8: int8 weights and activations")
+                        help="int8 / int4: weight-only; w8a8: int8 weights and activations; gguf: a GGUF file's "
+                             "blocks as stored (opt-in: README, GGUF weights as stored)")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                         help="auto, bfloat16, float32, fp8, tq4, tq3.5, tq3, tq2.5, tq2 (TurboQuant; -qjl suffix: QJL keys)")
     parser.add_argument("--kv-cache-dense-layers", type=int, default=d.kv_cache_dense_layers,

@@ -13,7 +13,7 @@ import torch
 from slipstream.speculative.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "gguf")
 
 
 @dataclass
@@ -22,7 +22,9 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     dtype: str = "auto"
-    quantization: str | None = None  # "int8" / "int4" weight-only, "w8a8" int8 weights and activations
+    # "int8" / "int4" weight-only, "w8a8" int8 weights and activations, "gguf" a GGUF file's blocks
+    # as stored (CPU); None: weights as loaded, a GGUF file's dequantized to the model dtype
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_dense_layers: int = 0  # TurboQuant: first and last N layers keep a 16-bit cache
     kv_cache_recent_tokens: int = 0  # TurboQuant: newest R tokens of each sequence also kept in 16 bits

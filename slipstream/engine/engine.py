@@ -84,8 +84,10 @@ class LLMEngine:
         self._last_log = time.monotonic()
         if self.kv_cache.needs_calibration:
             self._calibrate_kv_cache()
-        logger.info("model %s (%s) on %s, %s; KV cache %.0f MiB: %d blocks x %d tokens = %d tokens, %d bytes/token",
-                    config.model, self.model_config.architecture, self.device, str(self.dtype).replace("torch.", ""),
+        self.quantization = loaded.quantization
+        logger.info("model %s (%s) on %s, %s, weights %s; KV cache %.0f MiB: %d blocks x %d tokens = %d tokens, "
+                    "%d bytes/token", config.model, self.model_config.architecture, self.device,
+                    str(self.dtype).replace("torch.", ""), _weights_description(loaded.quantization),
                     self.kv_cache.num_blocks * self.kv_cache.bytes_per_token * config.block_size / 2**20,
                     self.kv_cache.num_blocks, config.block_size,
                     self.kv_cache.num_blocks * config.block_size, self.kv_cache.bytes_per_token)
@@ -290,3 +292,8 @@ class LLMEngine:
                     "fragmentation %.1f%%", s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
                     100 * s["prefix_cache_hit_rate"], s["num_preemptions"], 100 * s["fragmentation"])
 
+
+
+def _weights_description(quantization: str | None) -> str:
+    return {None: "as loaded", "gguf": "as the GGUF file stores them (quantization='gguf')"}.get(
+        quantization, f"quantization={quantization!r}")

@@ -4,6 +4,11 @@ The one place where files meet model code: loader/ reads a GGUF file or a checkp
 directory into a config dict and named tensors, models/ turns those into a loaded module;
 here the weights are then cast and handed to the backend, which lays them out (quantized,
 packed) for its GEMMs.
+
+A GGUF file's tensors are dequantized to the model dtype, unless quantization="gguf" (vLLM's
+name for these files) keeps its blocks as stored. That is opt-in while its kernels are slower
+than the widened default's (README, GGUF weights as stored), and CPU-only: elsewhere the
+blocks would have only the torch twin, which dequantizes on every call.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import torch
 from torch import nn
 
 from slipstream.backends.base import Backend
+from slipstream.layers.gguf_linear import GGUFEmbedding
 from slipstream.loader import safetensors
 from slipstream.loader.gguf import GGUFFile
 from slipstream.loader.hf_config import read_hf_config
@@ -28,6 +34,7 @@ class LoadedModel:
     model: nn.Module
     config: ModelConfig
     tokenizer: object | None
+    quantization: str | None = None  # the format the weights run in ("gguf": as the file stores them)
 
 
 def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: str | None = None) -> LoadedModel:
@@ -38,20 +45,32 @@ def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: st
     path = resolve_model_path(name)
     if path.endswith(".gguf"):
         gguf = GGUFFile(path)
-        cfg, weights = gguf.hf_config(), gguf.hf_weights()
+        if quantization == "gguf" and not gguf.is_quantized():
+            raise ValueError(f"quantization='gguf' runs a GGUF file's blocks; {path!r} holds no block format")
+        cfg, weights = gguf.hf_config(), gguf.hf_weights(as_stored=quantization == "gguf")
+    elif quantization == "gguf":
+        raise ValueError(f"quantization='gguf' runs a GGUF file's blocks; {path!r} is not a .gguf file")
     else:
         cfg, weights = read_hf_config(path), safetensors.hf_weights(path)
     config = config_from_hf(cfg)
     model = build_model(config)
     model.load_weights(weights)
-    for param in model.parameters():  # buffers (rope tables) stay float32
-        param.data = param.data.to(dtype)
+    _cast(model, dtype)
     model.to(device)
     backend.prepare(model, quantization)
     model.eval()
     tokenizer = load_tokenizer(path)
     _add_tokenizer_eos(config, tokenizer)
-    return LoadedModel(path, model, config, tokenizer)
+    return LoadedModel(path, model, config, tokenizer, quantization)
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters to `dtype`; buffers (rope tables, GGUF blocks) stay as they are."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    for module in model.modules():
+        if isinstance(module, GGUFEmbedding):
+            module.dtype = dtype
 
 
 def _add_tokenizer_eos(config: ModelConfig, tokenizer) -> None:

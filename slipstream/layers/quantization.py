@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.config import QUANTIZATION_METHODS
+from slipstream.layers.gguf_linear import GGUFLinear, has_blocks
 from slipstream.layers.linear import Linear, LinearMethod
 
 INT4_GROUP_SIZE = 32  # int4 groups along K: the layout of GGUF's Q4_1
@@ -42,11 +43,15 @@ def quantization_of(name: str, layer: Linear, quantization: str | None) -> str |
     2.1 points of perplexity (512 tokens: +5.5% -> +3.4% over fp32), and the rest moved by a
     point with any last-bit change upstream (a norm's rounding, the bf16 attention kernel),
     which put the test's 5% bound within the noise of the arithmetic. A layer whose inputs do
-    not split into int4 groups stays dense.
+    not split into int4 groups stays dense. With gguf a layer runs its file's blocks (every
+    layer that has them: the loader attaches blocks only when loading as stored); a matrix the
+    file keeps in float stays dense.
     """
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={quantization!r} is not supported; allowed: {', '.join(QUANTIZATION_METHODS)}")
-    if not layer.quantized:
+    if has_blocks(layer):
+        return "gguf"
+    if quantization == "gguf" or not layer.quantized:
         return None
     if quantization in ("int4", "w8a8") and name == "lm_head":
         return "int8"
@@ -158,4 +163,4 @@ def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).to(torch.int8), scale
 
 
-QUANTIZED = {"int8": Int8(), "int4": Int4(), "w8a8": W8A8()}  # the plain-torch method of each format
+QUANTIZED = {"int8": Int8(), "int4": Int4(), "w8a8": W8A8(), "gguf": GGUFLinear()}  # the plain-torch method of each format

@@ -5,10 +5,13 @@ architecture it is, how its metadata keys and tensor names map to transformers' 
 which config values the file does not store, and which of llama.cpp's conversions to undo.
 The metadata becomes an HF-style config dict that the model class parses like config.json.
 
-Quantized tensors (Q4_1, Q5_0, Q8_0, k-quants, ...) are dequantized with the `gguf` package.
-llama.cpp's converter permutes the rows of llama Q and K projections for its rope layout,
-and stores Gemma's norm weights as 1 + weight; we undo both so the weights match the HF
-layout our model code uses.
+Quantized tensors are either kept as the file stores them (`as_stored`: a `GGUFWeight` of the
+file's blocks, copied out of the memory map one tensor at a time, for the block formats of
+layers/gguf_formats.py) or dequantized to float32 with the `gguf` package; 1-D tensors (norms)
+and formats without a block twin are always dequantized. llama.cpp's converter permutes the
+rows of llama Q and K projections for its rope layout, and stores Gemma's norm weights as
+1 + weight; we undo both so the weights match the HF layout our model code uses. The row
+permutation moves whole rows, so on blocks it is exact (blocks run along K within a row).
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from typing import Iterator
 
 import numpy as np
 import torch
+
+from slipstream.layers.gguf_formats import FORMATS
+from slipstream.layers.gguf_linear import GGUFWeight
 
 # GGUF key (after "<arch>.") -> HF config key; keys a file lacks are left out
 _CONFIG_KEYS = {
@@ -102,20 +108,36 @@ class GGUFFile:
                    eos_token_id=[] if eos is None else [eos])
         return cfg
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def is_quantized(self) -> bool:
+        """Whether any matrix is in a block format that can run as stored."""
+        return any(_as_stored_format(t) is not None for t in self.tensors.values())
+
+    def tensor_bytes(self) -> int:
+        return sum(int(t.n_bytes) for t in self.tensors.values())
+
+    def hf_weights(self, as_stored: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+        """(HF name, tensor) per file tensor; with `as_stored` matrices in a block format come as
+        `GGUFWeight`s of the file's blocks."""
         spec = self.spec
         heads = self.field(f"{self.arch}.attention.head_count")
         kv_heads = self.field(f"{self.arch}.attention.head_count_kv") or heads
         for name, tensor in self.tensors.items():
             hf_name = hf_tensor_name(name, spec.layer_names)
-            w = torch.from_numpy(dequantize(tensor))
+            fmt = _as_stored_format(tensor) if as_stored else None
+            w = torch.from_numpy(dequantize(tensor)) if fmt is None else torch.from_numpy(np.array(tensor.data))
             if spec.unpermute_qk and hf_name.endswith("self_attn.q_proj.weight"):
                 w = unpermute_rope_rows(w, heads)
             elif spec.unpermute_qk and hf_name.endswith("self_attn.k_proj.weight"):
                 w = unpermute_rope_rows(w, kv_heads)
             elif spec.norm_offset and hf_name.endswith("norm.weight"):
                 w = w - spec.norm_offset
-            yield hf_name, w
+            yield hf_name, w if fmt is None else GGUFWeight.from_blocks(fmt, w, tensor.shape[0].item())
+
+
+def _as_stored_format(tensor) -> str | None:
+    """The block format a 2-D tensor keeps in memory, or None where it is widened to float."""
+    name = tensor.tensor_type.name
+    return name if len(tensor.shape) == 2 and name in FORMATS else None
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -136,7 +158,8 @@ def hf_tensor_name(name: str, layer_names: dict[str, str]) -> str:
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's permute: rows (head, pair, half) -> (head, half, pair)."""
+    """Inverse of llama.cpp's permute: rows (head, pair, half) -> (head, half, pair). Whole rows
+    move, so `w` may be float weights [N, K] or a row's blocks [N, row_bytes]."""
     rest = w.shape[1:]
     half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(w.shape)

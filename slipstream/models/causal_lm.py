@@ -21,7 +21,8 @@ from slipstream.models.weights import load_stacked_weights
 def scaled_embedding(embedding: nn.Embedding, ids: torch.Tensor, scale: float) -> torch.Tensor:
     """Gemma's embeddings times `scale`, which the reference rounds to the weight dtype first
     (sqrt(640) becomes 25.25 in bf16)."""
-    return embedding(ids) * torch.tensor(scale, dtype=embedding.weight.dtype, device=embedding.weight.device)
+    x = embedding(ids)  # in the weight dtype, whether the table is a float weight or GGUF blocks
+    return x * torch.tensor(scale, dtype=x.dtype, device=x.device)
 
 
 class CausalLM(nn.Module):

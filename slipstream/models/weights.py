@@ -4,7 +4,9 @@ Our modules fuse what checkpoints keep apart (q/k/v into `qkv_proj`, gate/up int
 `gate_up_proj`) and hold experts stacked (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]); families whose checkpoints name modules differently rename
 them first. Everything here works on (name, tensor) iterators and a module's parameter
-names; it never reads files and never knows a family's config.
+names; it never reads files and never knows a family's config. A tensor may also be a
+`GGUFWeight` (blocks as a GGUF file stores them): it fuses by whole rows and is attached to
+its layers instead of copied into a float parameter.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-Weights = Iterable[tuple[str, torch.Tensor]]
+from slipstream.layers.gguf_linear import GGUFWeight, attach
+
+Weights = Iterable[tuple[str, torch.Tensor | GGUFWeight]]
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
@@ -53,11 +57,20 @@ def load_stacked_weights(model: nn.Module, weights: Weights) -> None:
         shards = pending[name]
         if not shards:
             raise ValueError(f"checkpoint lacks tensor for parameter {name!r}")
-        tensor = shards[None] if None in shards else torch.cat([shards[i] for i in sorted(shards)])
+        tensor = shards[None] if None in shards else _concat_rows([shards[i] for i in sorted(shards)])
         if tensor.shape != param.shape:
             raise ValueError(f"tensor for {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        if isinstance(tensor, GGUFWeight):
+            attach(model, name, tensor)
+            continue
         with torch.no_grad():
             param.copy_(tensor)
+
+
+def _concat_rows(shards: list) -> torch.Tensor | GGUFWeight:
+    if all(isinstance(s, GGUFWeight) for s in shards):
+        return GGUFWeight.concat(shards)
+    return torch.cat([s.dequantize() if isinstance(s, GGUFWeight) else s for s in shards])
 
 
 def rename_weights(weights: Weights, renames: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:

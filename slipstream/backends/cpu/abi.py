@@ -142,6 +142,10 @@ class Kernels:
     # (x, tokens, weights, m, gate_up, down, out, hidden, intermediate, threads)
     moe_expert_silu = Function("moe_expert", P, P, P, I64, P, P, P, I64, I64, I32, restype=STATUS)
     moe_expert_silu_amx = Function("moe_expert", P, P, P, I64, P, P, P, I64, I64, I32, restype=STATUS)
+    # (ggml type id, x float32 [M, K], W's blocks [N, row bytes], y float32, m, n, k, ldy, threads)
+    gguf_gemm = Function("gguf_gemm", I32, P, P, P, I64, I64, I64, I64, I32, restype=STATUS)
+    # (ggml type id, W's blocks [N, row bytes], out float32 [N, K], n, k, threads)
+    gguf_dequantize = Function("gguf_gemm", I32, P, P, I64, I64, I32, restype=STATUS)
     # (layers, count, step, x)
     decoder_layers_decode = Function("decoder_layer", ctypes.POINTER(Layer), I32, ctypes.POINTER(Step), P,
                                      restype=STATUS)

@@ -4,7 +4,8 @@ Which paths run follows from the CpuCapability alone (flags, kernels built and f
 ISA), so the choice is made once and can be tested for any CPU: attention on bf16 caches and
 on TurboQuant codes through the native kernels (backends/cpu/attention.py); bf16, int8 and
 int4 weights packed for kernels/gemm.c under one GemmPolicy (backends/cpu/linear.py), which is
-batch-invariant by default where that costs nothing (no AMX) and on request (`deterministic`); MoE
+batch-invariant by default where that costs nothing (no AMX) and on request (`deterministic`); GGUF
+blocks as stored on kernels/gguf_gemm.c (backends/cpu/gguf_linear.py); MoE
 experts on kernels/moe_expert.c (backends/cpu/moe.py); the fused decode stack
 (backends/cpu/decode_stack.py); otherwise the reference's torch paths.
 """
@@ -20,6 +21,7 @@ from slipstream.backends.base import AttentionImpl
 from slipstream.backends.cpu.attention import dense_attention, dense_decode, turboquant_decode, turboquant_prefill
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
+from slipstream.backends.cpu.gguf_linear import DEQUANTIZE_MIN_ROWS, NativeGGUF
 from slipstream.backends.cpu.linear import (INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy,
                                             NativeBf16, NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
 from slipstream.backends.cpu.moe import UPCAST_MIN_TOKENS, CpuExperts
@@ -65,6 +67,8 @@ class CpuBackend(ReferenceBackend):
             return self.native[fmt]
         if fmt is None and layer.weight.dtype == torch.bfloat16:
             return self.bf16
+        if fmt == "gguf" and self.capability.kernels is not None:
+            return NativeGGUF(self.capability.kernels)
         return super().linear_method(layer, fmt)
 
     def experts_method(self, experts: Experts) -> ExpertsMethod:
@@ -88,6 +92,9 @@ class CpuBackend(ReferenceBackend):
                 "attention: " + (f"{prefill} on bf16 caches; TurboQuant codes natively for decode and prefill over a "
                                  "cached prefix; torch for other prefill" if native else "torch"),
                 "linear: " + _linear_policy(cap, self.policy),
+                "GGUF weights: " + ("as stored (quantization='gguf'), kernels/gguf_gemm.c below "
+                                    f"{DEQUANTIZE_MIN_ROWS} rows, dequantized tiles on oneDNN above; the per-layer "
+                                    "path, not the decode stack" if native else "as stored, dequantized per call (torch)"),
                 "MoE experts: " + _experts_policy(self.experts),
                 "decode stack: " + (_decode_stack_policy(self.policy) if cap.gemm else "none (the per-layer torch path)"),
                 "batch invariance: " + _invariance(cap, self.batch_invariant)]

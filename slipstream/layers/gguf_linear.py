@@ -1,0 +1,136 @@
+"""GGUF weights kept as the file stores them: the weight type, its place on a layer, and its plain-torch methods.
+
+A `GGUFWeight` is a weight [N, K] as row segments of block codes (uint8 [rows, row_bytes],
+the file's bytes unchanged); a fused projection whose parts the file stores in different
+formats (Gemma 3's q/k in Q5_0, v in Q8_0) keeps one segment per run of rows of one format.
+Concatenating or permuting whole rows is exact on blocks, which run along K within a row:
+that is how q/k/v fuse and how llama.cpp's rope permutation of Q/K rows is undone.
+
+`attach` puts such a weight on the layers that share a parameter (a tied LM head and its
+embedding share the blocks, not copies). `GGUFLinear` is the reference method: dequantize each
+segment to float32, multiply, concatenate; backends subclass it with native GEMMs per segment
+(`segment_mm`). `GGUFEmbedding` looks rows up and dequantizes only those. This module never
+knows files (loader/gguf.py reads them) nor kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.layers.gguf_formats import BlockFormat, block_format, dequantize_rows
+from slipstream.layers.linear import Linear, LinearMethod
+
+
+@dataclass(frozen=True)
+class BlockRows:
+    fmt: BlockFormat
+    data: torch.Tensor  # uint8 [rows, fmt.row_bytes(K)]
+
+
+class GGUFWeight:
+    """A weight [N, K] as stored, in row segments of one block format each."""
+
+    def __init__(self, segments: list[BlockRows], k: int):
+        for s in segments:
+            if s.data.dtype != torch.uint8 or s.data.dim() != 2 or s.data.shape[1] != s.fmt.row_bytes(k):
+                raise ValueError(f"{s.fmt.name} blocks for K={k} must be uint8 [rows, {s.fmt.row_bytes(k)}]; "
+                                 f"got {s.data.dtype} {tuple(s.data.shape)}")
+        self.segments, self.k = segments, k
+
+    @classmethod
+    def from_blocks(cls, fmt_name: str, data: torch.Tensor, k: int) -> GGUFWeight:
+        return cls([BlockRows(block_format(fmt_name), data)], k)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(s.data.shape[0] for s in self.segments), self.k))
+
+    @staticmethod
+    def concat(weights: list[GGUFWeight]) -> GGUFWeight:
+        """The weights' rows one after another; neighbouring rows of one format share a segment."""
+        runs: list[list[BlockRows]] = []
+        for s in (s for w in weights for s in w.segments):
+            if runs and runs[-1][0].fmt == s.fmt:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        merged = [r[0] if len(r) == 1 else BlockRows(r[0].fmt, torch.cat([s.data for s in r])) for r in runs]
+        return GGUFWeight(merged, weights[0].k)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([dequantize_rows(s.fmt, s.data) for s in self.segments])
+
+    def nbytes(self) -> int:
+        return sum(s.data.nbytes for s in self.segments)
+
+
+def attach(model: nn.Module, param_name: str, weight: GGUFWeight) -> None:
+    """Give the blocks to every module whose weight is `param_name`'s parameter (a tied head and
+    its embedding); their float weight is dropped."""
+    param = model.get_parameter(param_name)
+    owners = [(name, m) for name, m in model.named_modules() if getattr(m, "weight", None) is param]
+    for name, module in owners:
+        if isinstance(module, Linear):
+            _attach_linear(module, weight)
+        elif isinstance(module, nn.Embedding):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, GGUFEmbedding(weight))
+        else:
+            raise TypeError(f"{param_name!r} belongs to a {type(module).__name__}, which cannot hold GGUF blocks")
+
+
+def _attach_linear(layer: Linear, weight: GGUFWeight) -> None:
+    if tuple(weight.shape) != (layer.out_features, layer.in_features):
+        raise ValueError(f"GGUF weight {tuple(weight.shape)} does not fit a {layer.out_features}x{layer.in_features} layer")
+    layer.weight = None
+    layer.block_formats = tuple(s.fmt for s in weight.segments)
+    for i, s in enumerate(weight.segments):
+        layer.register_buffer(f"blocks{i}", s.data)
+
+
+def segments(module: nn.Module) -> list[BlockRows]:
+    """A module's blocks as attached (read from its buffers, so they follow `.to(device)`)."""
+    return [BlockRows(fmt, getattr(module, f"blocks{i}")) for i, fmt in enumerate(module.block_formats)]
+
+
+def has_blocks(layer: nn.Module) -> bool:
+    return hasattr(layer, "block_formats")
+
+
+class GGUFLinear(LinearMethod):
+    """Blocks as stored; per segment dequantize to float32 and multiply (the reference and fallback)."""
+
+    name = "gguf"
+
+    def create(self, layer: Linear) -> None:
+        if not has_blocks(layer):
+            raise ValueError("quantization='gguf' serves layers loaded from a GGUF file's blocks; this layer has none")
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([self.segment_mm(s, x) for s in segments(layer)], dim=-1)
+        out = out if layer.bias is None else out + layer.bias
+        return out.to(x.dtype)
+
+    def segment_mm(self, rows: BlockRows, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] times one segment's weight, transposed: [M, rows] float32."""
+        return F.linear(x.float(), dequantize_rows(rows.fmt, rows.data))
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table as stored: a lookup dequantizes the rows it reads, to `dtype`."""
+
+    def __init__(self, weight: GGUFWeight, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if len(weight.segments) != 1:
+            raise ValueError("a GGUF embedding table is one tensor of one block format")
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.block_formats, self.dtype = (weight.segments[0].fmt,), dtype
+        self.register_buffer("blocks0", weight.segments[0].data)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        (rows,) = segments(self)
+        x = dequantize_rows(rows.fmt, rows.data[ids.reshape(-1)])
+        return x.reshape(*ids.shape, self.embedding_dim).to(self.dtype)

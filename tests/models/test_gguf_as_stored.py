@@ -1,0 +1,108 @@
+"""The bundled SmolLM2 GGUF run as stored (its Q4_1 / Q8_0 blocks in memory) against transformers
+float32 on the same file's dequantized weights, its weight memory, and how the format is chosen."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream import LLM, SamplingParams
+from slipstream.loader.gguf import GGUFFile
+from tests.models.test_smollm2_reference import MAX_NEW, _prompts, reference  # noqa: F401  (a fixture)
+
+# float32 activations: the blocks' GEMM is dequantize-then-multiply to float32 rounding, so the
+# reference test's own bound holds; measured max |diff| 5.7e-5 over the 8 prompts (599 tokens the longest)
+FP32_LOGPROB_TOL = 2e-3
+# bf16 activations (the default on this CPU): measured max |diff| 0.244, mean per prompt <= 0.058, and
+# 6 of 8 prompts with all 32 greedy tokens equal (bf16's rounding of activations tips near-ties)
+BF16_LOGPROB_MAX, BF16_LOGPROB_MEAN, BF16_GREEDY_PROMPTS = 0.5, 0.1, 5
+MEMORY_BOUND = 1.05  # weight memory / the file's tensor bytes
+
+
+def _run(llm: LLM, prompts: list[list[int]]):
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=0)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _compare(model, prompts, outputs) -> tuple[int, list[torch.Tensor]]:
+    """(prompts whose greedy tokens are transformers', |logprob diff| per prompt)."""
+    same, diffs = 0, []
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outputs):
+            ids = torch.tensor([prompt])
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            same += out.outputs[0].token_ids == ref
+            if len(prompt) < 2:
+                continue
+            ref_lp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
+            ours = torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+            diffs.append((ours - ref_lp).abs())
+    return same, diffs
+
+
+@pytest.mark.slow
+def test_as_stored_in_float32_matches_transformers(reference):  # noqa: F811
+    tokenizer, model = reference
+    prompts = _prompts(tokenizer)
+    llm = LLM("smollm2-135m", quantization="gguf", dtype="float32", max_num_batched_tokens=256)
+    assert llm.engine.quantization == "gguf"
+    same, diffs = _compare(model, prompts, _run(llm, prompts))
+    assert same == len(prompts)
+    assert max(d.max().item() for d in diffs) < FP32_LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_as_stored_in_bf16_stays_within_measured_bounds(reference):  # noqa: F811
+    tokenizer, model = reference
+    prompts = _prompts(tokenizer)
+    llm = LLM("smollm2-135m", quantization="gguf", max_num_batched_tokens=256)  # bf16 activations here
+    same, diffs = _compare(model, prompts, _run(llm, prompts))
+    assert same >= BF16_GREEDY_PROMPTS
+    assert max(d.max().item() for d in diffs) < BF16_LOGPROB_MAX
+    assert max(d.mean().item() for d in diffs) < BF16_LOGPROB_MEAN
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Parameter and buffer bytes, a tensor shared by two modules (the tied head's blocks) once."""
+    tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()]}
+    return sum(tensors.values())
+
+
+def test_weight_memory_is_the_file_s_size(smollm2_gguf):
+    llm = LLM("smollm2-135m", quantization="gguf", kv_cache_memory=2**20)
+    model = llm.engine.runner.model
+    assert model.lm_head.weight is None and model.lm_head.method.name == "gguf"
+    assert _weight_bytes(model) <= MEMORY_BOUND * GGUFFile(smollm2_gguf).tensor_bytes()
+
+
+def test_gguf_is_asked_for_and_refused_where_there_are_no_blocks(smollm2_gguf, tiny_llama):
+    """Opt-in while its kernels are slower than the widened default's (README)."""
+    assert LLM("smollm2-135m", quantization="gguf", kv_cache_memory=2**20).engine.quantization == "gguf"
+    widened = LLM("smollm2-135m", kv_cache_memory=2**20).engine
+    assert widened.quantization is None
+    assert widened.runner.model.lm_head.weight.dtype == torch.bfloat16
+    assert LLM(tiny_llama, dtype="float32", quantization="int4").engine.quantization == "int4"
+    with pytest.raises(ValueError, match=r"quantization='gguf' runs a GGUF file's blocks; .* is not a .gguf file"):
+        LLM(tiny_llama, quantization="gguf")
+
+
+@pytest.mark.slow
+def test_gemma3_as_stored_in_float32_matches_the_widened_path():
+    """Gemma 3's file mixes Q5_0, Q4_K, Q6_K and Q8_0 (q/k and v of one projection in different
+    formats) and stores norms as 1 + w; widened to float32 it is held to transformers by
+    test_gemma3.py, so as stored it must give the same tokens and logprobs to float32 rounding."""
+    import argparse
+
+    prompts = None
+    results = []
+    for kwargs in ({"quantization": "gguf"}, {}):
+        llm = LLM("gemma3-270m", dtype="float32", max_num_batched_tokens=256, kv_cache_memory=64 * 2**20, **kwargs)
+        assert llm.engine.quantization == kwargs.get("quantization")
+        prompts = prompts or [llm.get_tokenizer()(t).input_ids for t in ("The capital of France is", argparse.__doc__)]
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        del llm
+    for stored, widened in zip(*results):
+        assert stored.outputs[0].token_ids == widened.outputs[0].token_ids
+        ours, ref = ([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in (stored, widened))
+        assert (torch.tensor(ours) - torch.tensor(ref)).abs().max() < FP32_LOGPROB_TOL
