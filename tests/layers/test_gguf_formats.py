@@ -79,7 +79,7 @@ def test_loaded_blocks_round_trip_to_the_file_s_bytes(smollm2_gguf):
     from slipstream.backends.reference import ReferenceBackend
     from slipstream.engine.model_loader import load_model
 
-    loaded = load_model(smollm2_gguf, torch.bfloat16, ReferenceBackend(torch.device("cpu")))
+    loaded = load_model(smollm2_gguf, torch.bfloat16, ReferenceBackend(torch.device("cpu")), "gguf")
     assert loaded.quantization == "gguf"
     model, tensors = loaded.model, _file_tensors(smollm2_gguf)
     qkv, = segments(model.model.layers[3].self_attn.qkv_proj)  # q, k, v: all Q4_1, one segment

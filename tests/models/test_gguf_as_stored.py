@@ -23,40 +23,47 @@ def _run(llm: LLM, prompts: list[list[int]]):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def _compare(model, prompts, outputs) -> tuple[int, list[torch.Tensor]]:
-    """(prompts whose greedy tokens are transformers', |logprob diff| per prompt)."""
-    same, diffs = 0, []
+@pytest.fixture(scope="module")
+def expected(reference):  # noqa: F811
+    """The prompts, and transformers' greedy tokens and prompt logprobs for each, computed once."""
+    tokenizer, model = reference
+    prompts, refs = _prompts(tokenizer), []
     with torch.no_grad():
-        for prompt, out in zip(prompts, outputs):
+        for prompt in prompts:
             ids = torch.tensor([prompt])
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-            same += out.outputs[0].token_ids == ref
-            if len(prompt) < 2:
-                continue
-            ref_lp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
+            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            logprobs = model(ids).logits[0, :-1].float().log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
+            refs.append((tokens, logprobs))
+    return prompts, refs
+
+
+def _compare(refs, outputs) -> tuple[int, list[torch.Tensor]]:
+    """(prompts whose greedy tokens are transformers', |logprob diff| per prompt of 2+ tokens)."""
+    same, diffs = 0, []
+    for (tokens, ref_lp), out in zip(refs, outputs):
+        same += out.outputs[0].token_ids == tokens
+        if len(ref_lp):
             ours = torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
             diffs.append((ours - ref_lp).abs())
     return same, diffs
 
 
 @pytest.mark.slow
-def test_as_stored_in_float32_matches_transformers(reference):  # noqa: F811
-    tokenizer, model = reference
-    prompts = _prompts(tokenizer)
+def test_as_stored_in_float32_matches_transformers(expected):
+    prompts, refs = expected
     llm = LLM("smollm2-135m", quantization="gguf", dtype="float32", max_num_batched_tokens=256)
     assert llm.engine.quantization == "gguf"
-    same, diffs = _compare(model, prompts, _run(llm, prompts))
+    same, diffs = _compare(refs, _run(llm, prompts))
     assert same == len(prompts)
     assert max(d.max().item() for d in diffs) < FP32_LOGPROB_TOL
 
 
 @pytest.mark.slow
-def test_as_stored_in_bf16_stays_within_measured_bounds(reference):  # noqa: F811
-    tokenizer, model = reference
-    prompts = _prompts(tokenizer)
+def test_as_stored_in_bf16_stays_within_measured_bounds(expected):
+    prompts, refs = expected
     llm = LLM("smollm2-135m", quantization="gguf", max_num_batched_tokens=256)  # bf16 activations here
-    same, diffs = _compare(model, prompts, _run(llm, prompts))
+    same, diffs = _compare(refs, _run(llm, prompts))
     assert same >= BF16_GREEDY_PROMPTS
     assert max(d.max().item() for d in diffs) < BF16_LOGPROB_MAX
     assert max(d.mean().item() for d in diffs) < BF16_LOGPROB_MEAN
