@@ -1,7 +1,7 @@
 """MoE throughput: slipstream vs transformers vs a naive per-token loop, on a synthetic Mixtral.
 
 Model: random weights in Mixtral's shape, scaled down to run on a laptop CPU: hidden 1024,
-4 layers, 16 query / 8 KV heads, 8 experts of width 2048, top-2, vocab 32000 (about 280M
+4 layers, 16 query / 8 KV heads, 8 experts (--experts) of width 2048, top-2, vocab 32000 (about 280M
 parameters, 200M of them in experts), bfloat16 for every engine, the same torch threads.
 
 - prefill: B prompts of L random tokens, one forward pass (transformers: one [B, L] batch,
@@ -18,9 +18,11 @@ Runs are interleaved across engines and repeated; the table gives each engine's 
 (docs/benchmarks.md), and a last line the ratios of the fastest runs. On a shared
 machine, `--clock cpu` (with --threads 1) times by process CPU time instead of wall time, so
 that other processes' load does not count. A heat map of tokens per expert and layer goes to
---heatmap.
+--heatmap. `--deterministic` adds slipstream with batch invariance set the other way from the
+backend's default; that needs a router gemm.c tiles (a multiple of 16 experts: `--experts 16`).
 
     python benchmarks/moe.py [--threads 2] [--repeats 3] [--clock wall|cpu] [--heatmap PATH]
+                             [--experts N] [--deterministic]
 """
 from __future__ import annotations
 
@@ -40,11 +42,11 @@ SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hid
              num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
 
 
-def build_checkpoint(path: str) -> None:
+def build_checkpoint(path: str, experts: int) -> None:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(**SHAPE, bos_token_id=1, eos_token_id=2)
+    config = transformers.MixtralConfig(**dict(SHAPE, num_local_experts=experts), bos_token_id=1, eos_token_id=2)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
 
 
@@ -142,7 +144,11 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: process CPU time (only meaningful with --threads 1)")
     parser.add_argument("--heatmap", default="benchmarks/out/moe_expert_load.png")
+    parser.add_argument("--experts", type=int, default=SHAPE["num_local_experts"])
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also slipstream with batch invariance the other way (needs --experts 16, 32, ...)")
     args = parser.parse_args()
+    SHAPE["num_local_experts"] = args.experts
     torch.set_num_threads(args.threads)
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -152,9 +158,13 @@ def main() -> None:
     B, L = args.prefill_batch, args.prefill_len
     DB, DP, DN = args.decode_batch, args.decode_prompt_len, args.decode_tokens
     with tempfile.TemporaryDirectory() as path:
-        build_checkpoint(path)
-        llm = LLM(path, dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=B * L,
-                  max_num_seqs=max(B, DB))
+        build_checkpoint(path, args.experts)
+        engine_args = dict(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=B * L,
+                           max_num_seqs=max(B, DB))
+        llm = LLM(path, **engine_args)
+        other = None
+        if args.deterministic:
+            other = LLM(path, deterministic=not llm.engine.backend.batch_invariant, **engine_args)
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     default_experts = hf.config._experts_implementation
     print(f"synthetic Mixtral: {sum(p.numel() for p in hf.parameters()) / 1e6:.0f}M parameters, "
@@ -173,6 +183,9 @@ def main() -> None:
         "transformers (eager)": hf_runs,
         "slipstream": (lambda s: slipstream_prefill(llm, B, L, s), lambda s: slipstream_decode(llm, DB, DP, DN, s)),
     }
+    if other is not None:
+        engines["slipstream " + ("det" if other.engine.backend.batch_invariant else "nondet")] = (
+            lambda s: slipstream_prefill(other, B, L, s), lambda s: slipstream_decode(other, DB, DP, DN, s))
     times = {name: ([], []) for name in engines}
     llm.engine.runner.model.reset_routing_stats()
     for seed in range(args.repeats):  # interleaved, so that load from other processes hits every engine alike
