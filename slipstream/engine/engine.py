@@ -108,12 +108,11 @@ class LLMEngine:
 
     def _check_deterministic(self, model) -> None:
         """deterministic=True is honoured or refused: the parts no invariant kernel serves are named."""
-        kv_dtype = parse_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         gaps = [f"dtype {self.dtype} (bfloat16 only)"] * (self.dtype != torch.bfloat16)
         gaps += [f"quantization {self.config.quantization!r} (None, 'int8' or 'int4' only)"] * (
             self.config.quantization not in (None, "int8", "int4"))
         gaps += [f"kv_cache_dtype {self.config.kv_cache_dtype!r} (a bfloat16 cache only)"] * (
-            kv_dtype.dense != torch.bfloat16)
+            self.kv_cache.kv_dtype.dense != torch.bfloat16)
         gaps += self.backend.invariance_gaps(model)
         if gaps:
             raise ValueError("deterministic=True: batch invariance does not cover " + "; ".join(gaps))

@@ -78,8 +78,8 @@ class CpuBackend(ReferenceBackend):
         return DecodeStack(model.model.layers, self.policy) if self.capability.gemm else None
 
     def invariance_gaps(self, model: nn.Module) -> list[str]:
-        native = (NativeBf16, NativeInt8, NativeInt4)
-        linear = [n for n, m in model.named_modules() if isinstance(m, Linear) and not isinstance(m.method, native)]
+        native = list(self.native.values())  # the methods bound to layers gemm.c tiles
+        linear = [n for n, m in model.named_modules() if isinstance(m, Linear) and m.method not in native]
         experts = [n for n, m in model.named_modules() if isinstance(m, Experts) and not self.experts.serves(m)]
         return [f"{what} {_first(names)} ({why})" for what, names, why in (
             ("linear layers", linear, "shapes gemm.c cannot tile"),
