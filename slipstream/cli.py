@@ -41,6 +41,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: size the KV cache to this fraction of GPU memory after profiling (replaces --kv-cache-memory)")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
                         help="CUDA: --no-enforce-eager captures decode steps as CUDA graphs (off by default: untested on a GPU)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                        help="ranks that split every layer: this process and N-1 it starts, or torchrun's N")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
@@ -54,7 +56,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, device=args.device, speculative_config=args.speculative_config,
         deterministic=args.deterministic, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _json_object(text: str) -> dict:
@@ -156,10 +158,12 @@ def cmd_info(args: argparse.Namespace) -> None:
     import torch
 
     from slipstream.backends.select import select_backend
+    from slipstream.distributed.launcher import describe_layout
     from slipstream.platform import resolve_device
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for line in select_backend(resolve_device(args.device), args.deterministic).describe():
+    device = resolve_device(args.device)
+    for line in [*select_backend(device, args.deterministic).describe(), describe_layout(args.tensor_parallel_size, device)]:
         print(line)
 
 
@@ -238,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="which backend and kernels serve this machine, and why")
     info.add_argument("--device", default=EngineConfig().device)
     info.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None)
+    info.add_argument("--tensor-parallel-size", type=int, default=1)
     info.set_defaults(func=cmd_info)
     add_serve_parser(sub)
     add_bench_parser(sub)

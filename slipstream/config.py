@@ -50,6 +50,8 @@ class EngineConfig:
     # CUDA: False captures decode steps as CUDA graphs (vLLM's name, default True here: no GPU run has
     # shown the graphs correct yet)
     enforce_eager: bool = True
+    # ranks that split every layer (vLLM's name): this process and N-1 it spawns, or torchrun's N processes
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -86,3 +88,16 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._validate_tensor_parallel()
+
+    def _validate_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer")
+        if size == 1:
+            return
+        if self.quantization == "gguf":
+            raise ValueError(f"tensor_parallel_size={size} does not split GGUF blocks as stored "
+                             "(quantization='gguf'); leave quantization unset to load them widened")
+        if not self.enforce_eager:
+            raise ValueError(f"tensor_parallel_size={size} does not capture CUDA graphs; keep enforce_eager=True")

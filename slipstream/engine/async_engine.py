@@ -111,6 +111,8 @@ class AsyncLLMEngine:
         self._inputs.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():  # else the thread is still inside a step that talks to the ranks
+            self.engine.shutdown()
         self._die(EngineDeadError(reason))
 
     @property

@@ -7,7 +7,8 @@ tokens in a step: those up to the first that stops it count, and the lookahead b
 rejected drafts are released. It returns a RequestOutput (cumulative so far) for every
 request that progressed. Inputs are validated by the InputProcessor, outputs built by the
 OutputProcessor; structured-output grammars are validated at add_request and compiled on
-the GrammarCompiler's thread while the step loop goes on.
+the GrammarCompiler's thread while the step loop goes on. With tensor_parallel_size > 1 this
+is rank 0: it starts or joins the other ranks first, and its runner sends them every step.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import time
 
 import torch
 
-from slipstream.backends.select import select_backend
 from slipstream.config import EngineConfig
+from slipstream.distributed.launcher import TensorParallel
 from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.output import OutputProcessor
 from slipstream.engine.processor import InputProcessor, ProcessedPrompt
@@ -28,19 +29,16 @@ from slipstream.engine.request import Request
 from slipstream.engine.scheduler import Scheduler
 from slipstream.engine.scheduler_output import SchedulerOutput
 from slipstream.engine.sequence import Sequence
-from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.calibration import MAX_TOKENS as CALIBRATION_TOKENS, calibration_text
-from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.layers.logits_processors import default_processors
 from slipstream.layers.sampler import Sampler
-from slipstream.engine.model_loader import load_model
 from slipstream.outputs import RequestMetrics, RequestOutput
-from slipstream.platform import resolve_device, resolve_dtype
 from slipstream.sampling_params import SamplingParams
 from slipstream.speculative.speculator import Speculator
 from slipstream.structured.bitmask import GrammarBitmask
 from slipstream.structured.grammars import GrammarCompiler
 from slipstream.worker.model_runner import ModelRunner, RunnerOutput
+from slipstream.worker.worker import build_worker
 
 logger = logging.getLogger("slipstream")
 
@@ -48,14 +46,19 @@ logger = logging.getLogger("slipstream")
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        torch.manual_seed(config.seed)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.backend = select_backend(self.device, config.deterministic)
-        loaded = load_model(config.model, self.dtype, self.backend, config.quantization)
+        self.parallel = TensorParallel.start(config)
+        try:
+            self._build(config)
+        except BaseException:
+            self.parallel.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        worker = build_worker(config)
+        self.device, self.dtype, self.backend, self.kv_cache = worker.device, worker.dtype, worker.backend, worker.kv_cache
+        loaded = worker.loaded
         self.model_path, self.model_config = loaded.path, loaded.config
         self.tokenizer = loaded.tokenizer
-        self.kv_cache = self._allocate_kv_cache(loaded.model)
         if config.deterministic:
             self._check_deterministic(loaded.model)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
@@ -70,7 +73,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         sampler = Sampler([GrammarBitmask(vocab)] + default_processors(eos))
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.backend, sampler,
-                                  config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+                                  config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
+                                  self.parallel.channel)
         if not config.enforce_eager:
             self.runner.graphs = self.backend.decode_graphs(loaded.model, self.kv_cache, config.max_num_seqs,
                                                             self.max_model_len)
@@ -91,20 +95,12 @@ class LLMEngine:
                     self.kv_cache.num_blocks * self.kv_cache.bytes_per_token * config.block_size / 2**20,
                     self.kv_cache.num_blocks, config.block_size,
                     self.kv_cache.num_blocks * config.block_size, self.kv_cache.bytes_per_token)
-        for line in self.backend.describe():
+        for line in [*self.backend.describe(), self.parallel.describe(self.device)]:
             logger.info("%s", line)
 
-    def _allocate_kv_cache(self, model) -> KVCache:
-        c = self.config
-        kv_dtype = parse_kv_cache_dtype(c.kv_cache_dtype, self.dtype)
-        shapes = [(attn.num_kv_heads, attn.head_dim) for attn in model.attention_layers()]
-        memory = c.kv_cache_memory
-        if c.gpu_memory_utilization is not None:
-            longest = min(c.max_num_batched_tokens, c.max_model_len or self.model_config.max_position_embeddings)
-            memory = self.backend.kv_cache_memory(model, c.gpu_memory_utilization, longest, c.max_num_seqs,
-                                                  c.block_size, self.dtype)
-        return KVCache(shapes, kv_dtype, self.dtype, memory, c.block_size, self.device,
-                       c.kv_cache_dense_layers, c.kv_cache_recent_tokens, c.max_num_seqs, c.kv_cache_sink_tokens)
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do with one); the engine takes no steps after it."""
+        self.parallel.shutdown()
 
     def _check_deterministic(self, model) -> None:
         """deterministic=True is honoured or refused: the parts no invariant kernel serves are named."""
@@ -132,6 +128,7 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         self.kv_cache.finish_calibration()
+        self.parallel.finish_calibration()
         self.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_hits = 0
 
     # --- requests ----------------------------------------------------------------------
@@ -193,7 +190,12 @@ class LLMEngine:
         for s in scheduled.scheduled:
             metrics = self.scheduler.sequences[s.seq_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        result = self.runner.execute(scheduled)
+        try:
+            result = self.runner.execute(scheduled)
+        except RuntimeError as e:
+            if self.parallel.size == 1:
+                raise
+            raise self.parallel.failure(e) from e
         progressed = self._update(scheduled, result)
         self._maybe_log_stats()
         return failed + [self._request_output(r) for r in progressed]

@@ -1,6 +1,7 @@
 """The gated MLP, down(act(gate(x)) * up(x)), and the activations chosen by config name.
 
-gate and up are one fused matmul (`gate_up_proj`). Dense layers, shared experts and
+gate and up are one fused matmul (`gate_up_proj`); under tensor parallelism each rank holds
+a slice of the intermediate features (gate/up by rows, down by columns: one all-reduce). Dense layers, shared experts and
 Gemma's MLPs are this module; routed experts (layers/moe.py) use the same activations.
 """
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.layers.linear import Linear, silu_and_mul
+from slipstream.layers.linear import ColumnParallelLinear, RowParallelLinear, silu_and_mul
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -26,8 +27,8 @@ def activation(name: str):
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

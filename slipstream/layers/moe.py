@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.distributed.parallel_state import all_reduce, split, tp_rank, tp_size
+from slipstream.distributed.shard import Shard, set_shards
 from slipstream.layers.linear import Linear
 from slipstream.layers.mlp import GatedMLP, activation
 from slipstream.layers.norm import rms_norm
@@ -86,14 +88,23 @@ class ExpertsMethod:
 
 
 class Experts(nn.Module):
-    """E gated MLPs held as stacked weights, run grouped by expert by the method a backend binds."""
+    """E gated MLPs held as stacked weights, run grouped by expert by the method a backend binds.
+
+    Under tensor parallelism every rank holds every expert's slice of the intermediate
+    features (gate and up by rows, down by columns) and its output is a partial sum that
+    the block all-reduces: the same split as a dense MLP's, so routing needs no exchange."""
 
     method = ExpertsMethod()
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        local = split(intermediate_size, "the experts' intermediate_size")
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+        if tp_size() > 1:
+            start = tp_rank() * local
+            set_shards(self.gate_up_proj, {None: Shard(1, ((start, local), (intermediate_size + start, local)))})
+            set_shards(self.down_proj, {None: Shard(2, ((start, local),))})
         self.act = activation(act)
         self.silu = act == "silu"
 
@@ -131,7 +142,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.gate(x if router_input is None else router_input)
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
         self.expert_counts += counts
-        out = self.experts(x, weights, ids, counts)
+        out = all_reduce(self.experts(x, weights, ids, counts))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from slipstream.layers.attention import Attention
-from slipstream.layers.linear import Linear
+from slipstream.layers.embedding import ParallelLMHead
 from slipstream.layers.moe import reset_routing_stats, routing_stats
 from slipstream.models.config import ModelConfig
 from slipstream.models.weights import load_stacked_weights
@@ -30,7 +30,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = model
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

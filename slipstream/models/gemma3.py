@@ -23,6 +23,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from slipstream.layers.embedding import VocabParallelEmbedding
 from slipstream.layers.mlp import GatedMLP
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
@@ -88,7 +89,7 @@ class Gemma3Model(nn.Module):
             SLIDING: RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_local_theta),
         }
         self.embed_scale = config.hidden_size ** 0.5
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, t, rotary[t]) for t in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
 

@@ -28,6 +28,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from slipstream.distributed.parallel_state import tp_size
 from slipstream.layers.attention import Attention
 from slipstream.layers.linear import Linear
 from slipstream.layers.mlp import GatedMLP, activation
@@ -159,6 +160,10 @@ class Gemma4DecoderLayer(nn.Module):
 
 class Gemma4Model(nn.Module):
     def __init__(self, config: Gemma4Config):
+        if tp_size() > 1:
+            raise ValueError("tensor_parallel_size > 1 does not support Gemma 4 (per-layer inputs, KV sharing "
+                             "and its MoE block are not sharded); supported: the llama family, its MoE relatives "
+                             "but OLMoE, Gemma 3")
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

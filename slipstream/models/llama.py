@@ -16,8 +16,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from slipstream.distributed.parallel_state import tp_rank, tp_size
 from slipstream.layers.attention import Attention
-from slipstream.layers.linear import Linear
+from slipstream.layers.embedding import VocabParallelEmbedding
+from slipstream.layers.linear import ColumnParallelLinear, RowParallelLinear
 from slipstream.layers.mlp import GatedMLP
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
@@ -32,15 +34,27 @@ class LlamaAttention(nn.Module):
     `config.qk_norm` is "head" (one norm per head: Qwen3, Gemma 3) or "projection" (over all
     heads together, before the split: OLMoE), and `config.clip_qkv` clamps q, k and v after
     it (OLMoE). Gemma 3 passes its own `scale` and its norm form (`unit_offset`).
+
+    Under tensor parallelism each rank holds whole GQA groups (a KV head and the query heads
+    that read it), as equal a share as the groups allow (SmolLM2's 3 KV heads on 2 ranks: 2
+    and 1). With fewer KV heads than ranks, the
+    ranks sharing a KV head each keep a copy of it and split its query heads.
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None,
                  scale: float | None = None, unit_offset: bool = False):
         super().__init__()
-        heads, kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.head_dim = config.head_dim
+        if config.qk_norm == "projection" and tp_size() > 1:
+            raise ValueError("tensor_parallel_size > 1 does not support qk_norm over the whole projection "
+                             f"(OLMoE's, {config.architecture}): it normalises across every rank's heads")
+        q_start, heads, kv_start, kv_heads = _head_shard(config.num_attention_heads, config.num_key_value_heads)
         self.q_size, self.kv_size = heads * self.head_dim, kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        q_part, kv_part = (q_start * self.head_dim, self.q_size), (kv_start * self.head_dim, self.kv_size)
+        full_q, full_kv = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [full_q, full_kv, full_kv],
+                                             config.attention_bias, [q_part, kv_part, kv_part])
+        self.o_proj = RowParallelLinear(full_q, config.hidden_size, config.attention_out_bias, q_part)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             q_dim, k_dim = (self.head_dim, self.head_dim) if self.qk_norm == "head" else (self.q_size, self.kv_size)
@@ -64,6 +78,23 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v).flatten(1))
 
 
+def _head_shard(heads: int, kv_heads: int) -> tuple[int, int, int, int]:
+    """(first query head, query heads, first KV head, KV heads) of this rank."""
+    rank, size = tp_rank(), tp_size()
+    if heads % kv_heads:
+        raise ValueError(f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
+    group = heads // kv_heads
+    if kv_heads >= size:  # whole groups, as even as they divide
+        first, end = -(-rank * kv_heads // size), -(-(rank + 1) * kv_heads // size)
+        return first * group, (end - first) * group, first, end - first
+    if size % kv_heads or group % (size // kv_heads):
+        raise ValueError(f"tensor_parallel_size={size} must be a multiple of num_key_value_heads={kv_heads} "
+                         f"that divides its {group} query heads per KV head, where it exceeds the KV heads")
+    copies = size // kv_heads
+    share = group // copies
+    return rank // copies * group + rank % copies * share, share, rank // copies, 1
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x)); the MLP is dense or MoE."""
 
@@ -85,7 +116,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

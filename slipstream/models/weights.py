@@ -6,7 +6,8 @@ Our modules fuse what checkpoints keep apart (q/k/v into `qkv_proj`, gate/up int
 them first. Everything here works on (name, tensor) iterators and a module's parameter
 names; it never reads files and never knows a family's config. A tensor may also be a
 `GGUFWeight` (blocks as a GGUF file stores them): it fuses by whole rows and is attached to
-its layers instead of copied into a float parameter.
+its layers instead of copied into a float parameter. Under tensor parallelism each tensor
+is cut to the rank's shard (distributed/shard.py) as it is read, before anything is fused.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from slipstream.distributed.shard import shard_of
 from slipstream.layers.gguf_linear import GGUFWeight, attach
 
 Weights = Iterable[tuple[str, torch.Tensor | GGUFWeight]]
@@ -52,7 +54,7 @@ def load_stacked_weights(model: nn.Module, weights: Weights) -> None:
             if getattr(model.config, "tie_word_embeddings", False) and target == "lm_head.weight":
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        pending[target][shard] = tensor
+        pending[target][shard] = shard_of(params[target], shard, tensor)
     for name, param in params.items():
         shards = pending[name]
         if not shards:

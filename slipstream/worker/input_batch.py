@@ -6,7 +6,9 @@ The buffers (vLLM's names) are allocated once for the largest step the scheduler
 their addresses never change, as a captured CUDA graph needs: input_ids, positions and
 slot_mapping [tokens]; query_start_loc [rows + 1]; seq_lens [rows]; block_table, the first
 rows * W entries viewed as [rows, W] for the W blocks the step's longest row uses. Rows with
-one new token come first; any row may carry any number of new tokens.
+one new token come first; any row may carry any number of new tokens. Under tensor
+parallelism rank 0 packs a prepared step into one tensor and the workers unpack it into
+their own buffers, so every rank builds the same metadata from the same numbers.
 """
 from __future__ import annotations
 
@@ -76,11 +78,27 @@ class InputBatch:
         pos = self.np["positions"][:tokens]
         pos[:] = np.arange(tokens) + (np.array([done for _, done, _ in rows]) - starts[:count])[row]
         self.np["slot_mapping"][:tokens] = table[row, pos // self.block_size] * self.block_size + pos % self.block_size
-        t = self._to_device({"input_ids": tokens, "positions": tokens, "slot_mapping": tokens,
-                             "query_start_loc": count + 1, "seq_lens": count, "block_table": count * width})
-        meta = AttentionMetadata(t["slot_mapping"], t["query_start_loc"], t["seq_lens"],
-                                 t["block_table"].view(count, width), leading_decodes(query_lens), starts[:count + 1].tolist(),
-                                 context_lens)
+        self.shape = (tokens, count, width)
+        return self._inputs()
+
+    def pack(self) -> torch.Tensor:
+        """The last prepared step's buffers as one host tensor (what tensor-parallel workers receive)."""
+        return torch.cat([self.host[name][:n] for name, n in _sizes(self.shape).items()])
+
+    def unpack(self, shape: tuple[int, int, int], packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """prepare()'s result for a step that another rank prepared and packed."""
+        self.shape, start = shape, 0
+        for name, n in _sizes(shape).items():
+            self.host[name][:n] = packed[start:start + n]
+            start += n
+        return self._inputs()
+
+    def _inputs(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        _, count, width = self.shape
+        starts = self.np["query_start_loc"][:count + 1].tolist()
+        t = self._to_device(_sizes(self.shape))
+        meta = AttentionMetadata(t["slot_mapping"], t["query_start_loc"], t["seq_lens"], t["block_table"].view(count, width),
+                                 leading_decodes([b - a for a, b in zip(starts, starts[1:])]), starts, self.np["seq_lens"][:count].tolist())
         return t["input_ids"], t["positions"], meta
 
     def _to_device(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -89,3 +107,14 @@ class InputBatch:
             return {name: self.host[name][:n] for name, n in sizes.items()}
         return {name: self.buffers[name][:n].copy_(self.host[name][:n], non_blocking=True)
                 for name, n in sizes.items()}
+
+
+def _sizes(shape: tuple[int, int, int]) -> dict[str, int]:
+    """The filled length of each buffer for a step of (tokens, rows, block-table width)."""
+    tokens, count, width = shape
+    return {"input_ids": tokens, "positions": tokens, "slot_mapping": tokens,
+            "query_start_loc": count + 1, "seq_lens": count, "block_table": count * width}
+
+
+def packed_size(shape: tuple[int, int, int]) -> int:
+    return sum(_sizes(shape).values())

@@ -8,6 +8,8 @@ Logits are computed only for rows that sample (the last token of a row that reac
 sequence's last known token, and each position that verifies a draft token) and for prompt
 positions whose logprob was asked for. A speculating row carries its last token and k
 drafts; it yields the drafts accepted and one token more (the correction or the bonus).
+Under tensor parallelism the runner is rank 0's: it sends each prepared step down a
+`StepChannel` before running its own shard of the forward, and samples alone.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from slipstream.kvcache.cache import KVCache
 from slipstream.layers.sampler import SampleResult, Sampler, SamplingMetadata, logprobs_for
 from slipstream.structured.bitmask import GrammarState
 from slipstream.worker.input_batch import CachedSequence, InputBatch, Row
+from slipstream.worker.step_channel import STEP, StepChannel
 
 # (token id, its logprob, its rank, top-N pairs) for one prompt token, in prompt order
 PromptLogprob = tuple[int, float, int, list[tuple[int, float]]]
@@ -38,14 +41,15 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, backend: Backend, sampler: Sampler,
-                 max_num_tokens: int, max_num_seqs: int, max_model_len: int):
+                 max_num_tokens: int, max_num_seqs: int, max_model_len: int, channel: StepChannel | None = None):
         self.model = model
         self.sampler = sampler
         self.sequences: dict[int, CachedSequence] = {}
         max_blocks = min(kv_cache.num_blocks, -(-max_model_len // kv_cache.block_size))
         self.input_batch = InputBatch(max_num_tokens, max_num_seqs, max_blocks, kv_cache.block_size, backend.device)
-        backend.bind_attention(model.attention_layers(), kv_cache.layers)
-        model.use_decode_stack(backend.decode_stack(model))
+        self.channel = channel
+        if channel is None:  # the fused stack runs every layer in one call: no place for the all-reduces
+            model.use_decode_stack(backend.decode_stack(model))
         self.graphs = None  # captured decode graphs (backends/cuda/graphs.py), set by the engine if enabled
 
     @torch.inference_mode()
@@ -54,11 +58,13 @@ class ModelRunner:
         if not rows:
             return RunnerOutput()
         input_ids, positions, meta = self.input_batch.prepare(rows)
+        plan = _logit_plan(rows)
+        if self.channel is not None:
+            self.channel.send(STEP, self.input_batch, [r for r, _, _ in plan])
         hidden = None if self.graphs is None else self.graphs.replay(input_ids, positions, meta)
         if hidden is None:
             with use_metadata(meta):
                 hidden = self.model(input_ids, positions)
-        plan = _logit_plan(rows)
         if not plan:  # prompt chunks that neither finish their prompt nor owe logprobs
             return RunnerOutput()
         return self._postprocess(plan, self.model.compute_logits(_rows(hidden, [r for r, _, _ in plan])))

@@ -1,0 +1,109 @@
+"""Tensor parallelism on one CPU: TP=1 with T threads against TP=2 with T/2 threads per rank.
+
+The same model (default: the bundled SmolLM2-135M, bf16), the same workload, each
+configuration in its own process (a rank sets torch's thread count for its whole process),
+runs alternated and repeated; the table gives medians and the last line TP=2 / TP=1.
+
+- decode, batch B: B sequences of a short prompt; after their prefill step, the steps until
+  all have N tokens are timed (tok/s = B * N / that time);
+- all-reduce: on rank 0, the time inside torch.distributed's all_reduce and all_gather per
+  decode step (waiting for the other rank included: what a step pays for the split), and
+  the bytes one step all-reduces: 2 x layers x B x hidden x the activation dtype's size.
+
+TP=1 runs the fused native decode stack where the backend has one; TP=2 cannot (every layer
+needs its all-reduces), so the ratio includes that.
+
+    python benchmarks/tensor_parallel.py [--model smollm2-135m] [--threads 2] [--batches 1 16]
+                                         [--decode-tokens 64] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+clock = time.perf_counter
+
+
+def child(args: argparse.Namespace) -> None:
+    from slipstream import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model, tensor_parallel_size=args.tp, max_num_seqs=max(args.batches), enable_prefix_caching=False)
+    engine, spent = llm.engine, [0.0]
+    for name in ("all_reduce", "all_gather"):
+        setattr(dist, name, _timed(getattr(dist, name), spent))
+    config = engine.model_config
+    results = {}
+    for batch in args.batches:
+        params = SamplingParams(temperature=0, max_tokens=args.decode_tokens + 1, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"{batch}-{i}", [1 + (i * 7 + j) % 1000 for j in range(16)], params)
+        engine.step()  # every prefill
+        spent[0], steps, start = 0.0, 0, clock()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        elapsed = clock() - start
+        results[batch] = {"tok_s": batch * args.decode_tokens / elapsed, "comm_ms": 1e3 * spent[0] / steps,
+                          "step_ms": 1e3 * elapsed / steps,
+                          "bytes": 2 * config.num_hidden_layers * batch * config.hidden_size * engine.dtype.itemsize}
+    print("RESULT", json.dumps(results), flush=True)
+    engine.shutdown()
+
+
+def _timed(fn, spent: list[float]):
+    def timed(*a, **k):
+        start = clock()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[0] += clock() - start
+    return timed
+
+
+def run(args: argparse.Namespace, tp: int) -> dict:
+    threads = args.threads if tp == 1 else max(1, args.threads // tp)
+    cmd = [sys.executable, __file__, "--child", "--tp", str(tp), "--threads", str(threads), "--model", args.model,
+           "--decode-tokens", str(args.decode_tokens), "--batches", *map(str, args.batches)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    line = next(line for line in out.splitlines() if line.startswith("RESULT"))
+    return {int(b): r for b, r in json.loads(line.split(" ", 1)[1]).items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    runs = {1: [], 2: []}
+    for _ in range(args.repeats):
+        for tp in runs:
+            runs[tp].append(run(args, tp))
+    print(f"{args.model}, {args.threads} threads in all, {args.decode_tokens} decode tokens, median of {args.repeats}")
+    print("batch  TP  tok/s    ms/step  all-reduce ms/step  bytes all-reduced/step")
+    for batch in args.batches:
+        med = {tp: {k: statistics.median(r[batch][k] for r in runs[tp]) for k in ("tok_s", "step_ms", "comm_ms")}
+               for tp in runs}
+        for tp in runs:
+            m = med[tp]
+            print(f"{batch:5d}  {tp:2d}  {m['tok_s']:7.1f}  {m['step_ms']:7.2f}  {m['comm_ms']:18.2f}  "
+                  f"{runs[tp][0][batch]['bytes'] if tp > 1 else 0:>22,}")
+        print(f"batch {batch}: TP=2 / TP=1 decode {med[2]['tok_s'] / med[1]['tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

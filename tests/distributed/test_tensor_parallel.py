@@ -1,0 +1,134 @@
+"""Tensor parallelism on CPU over real gloo process groups: TP=2 (one thread per rank) against
+TP=1 on the same weights, float32, greedy, with chunked prefill, prefix caching and preemption
+all happening; start-up refusals; and no worker outliving its engine."""
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from slipstream import LLM, SamplingParams
+from tests.conftest import build_tiny_checkpoint, random_prompts
+from tests.models.test_gemma3 import build_tiny_gemma3
+from tests.models.test_moe_families import build_moe_checkpoint
+
+LOGPROB_TOL = 1e-4  # float32, the same kernels on split weights: observed max |diff| ~2e-6
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40  # 160 tokens for 6 sequences of up to 50: some are preempted
+
+BUILDERS = {
+    "llama_gqa": lambda path: build_tiny_checkpoint(path, "llama", num_kv_heads=2),
+    "llama_mqa": lambda path: build_tiny_checkpoint(path, "llama", num_kv_heads=1),  # the KV head copied
+    # 3 GQA groups on 2 ranks: 2 and 1, as SmolLM2's
+    "llama_uneven_groups": lambda path: build_tiny_checkpoint(path, "llama", num_kv_heads=3, num_attention_heads=6,
+                                                              hidden_size=96),
+    "llama_odd_vocab": lambda path: build_tiny_checkpoint(path, "llama", num_kv_heads=2, vocab_size=383),
+    "qwen3": lambda path: build_tiny_checkpoint(path, "qwen3", num_kv_heads=2),
+    "mixtral": lambda path: build_moe_checkpoint(path, "mixtral"),
+    "qwen2_moe": lambda path: build_moe_checkpoint(path, "qwen2_moe"),  # with a shared expert
+    "gemma3": lambda path: build_tiny_gemma3(path),  # one KV head, sliding windows
+}
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    shared = random_prompts(1, 24, 24, seed=7, vocab=vocab)[0]  # a prefix two prompts share: cache hits
+    rest = random_prompts(4, 10, 40, seed=3, vocab=vocab)
+    return [shared + [5, 6, 7], shared + [8, 9], *rest]
+
+
+def _run(path: str, tp: int, kv_heads_per_rank: int, head_bytes: int, prompts) -> tuple[list, dict]:
+    memory = NUM_BLOCKS * BLOCK_SIZE * kv_heads_per_rank * head_bytes
+    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, block_size=BLOCK_SIZE, kv_cache_memory=memory,
+              max_num_batched_tokens=16, max_num_seqs=6)  # 16: prompts run in chunks
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+        return llm.generate(prompts, params, use_tqdm=False), llm.stats()
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("family", BUILDERS)
+def test_tp2_matches_tp1(family, tmp_path):
+    path = BUILDERS[family](str(tmp_path))
+    reference = LLM(path, dtype="float32")
+    config, attn = reference.engine.model_config, reference.engine.runner.model.attention_layers()
+    # K and V, float32, every layer: rank 0 holds half the KV heads (rounded up), or a copy of the only one
+    layers = len(attn)
+    head_bytes = 2 * 4 * attn[0].head_dim * layers
+    kv = config.num_key_value_heads
+    prompts = _prompts(config.vocab_size)
+    single, single_stats = _run(path, 1, kv, head_bytes, prompts)
+    split, split_stats = _run(path, 2, -(-kv // 2), head_bytes, prompts)
+    assert single_stats["num_blocks"] == split_stats["num_blocks"]
+    assert single_stats["num_preemptions"] > 0 and single_stats["prefix_cache_hits"] > 0
+    assert split_stats["num_preemptions"] == single_stats["num_preemptions"]
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
+    for a, b in zip(single, split):
+        la, lb = (torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]) for o in (a, b))
+        assert (la - lb).abs().max().item() < LOGPROB_TOL
+
+
+def test_refuses_what_it_cannot_split(tmp_path):
+    path = build_tiny_checkpoint(str(tmp_path), "llama", num_kv_heads=2)  # 4 query heads
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must be a multiple of num_key_value_heads=2"):
+        LLM(path, dtype="float32", tensor_parallel_size=3)
+    assert not multiprocessing.active_children()  # the workers it had started are gone
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"tensor_parallel_size={bad!r} must be a positive integer"):
+            LLM(path, tensor_parallel_size=bad)
+    with pytest.raises(ValueError, match="does not split GGUF blocks as stored"):
+        LLM(path, tensor_parallel_size=2, quantization="gguf")
+
+
+def test_refuses_olmoe(tmp_path):
+    path = build_moe_checkpoint(str(tmp_path), "olmoe")
+    with pytest.raises(ValueError, match="does not support qk_norm over the whole projection"):
+        LLM(path, dtype="float32", tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
+
+
+def test_ngram_speculation_verifies_across_ranks(tiny_llama):
+    """Verification rows (several queries per sequence) go through the split model as any other."""
+    prompt = list(range(3, 384))  # every token the model can write is in the prompt: always a draft
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    expected = LLM(tiny_llama, dtype="float32").generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(tiny_llama, dtype="float32", tensor_parallel_size=2, speculative_config=spec)
+    try:
+        assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+        assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_shutdown_leaves_no_worker(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", tensor_parallel_size=2)
+    workers = llm.engine.parallel.workers
+    assert [w.is_alive() for w in workers] == [True]
+    llm.engine.shutdown()
+    assert [w.exitcode for w in workers] == [0]
+
+
+@pytest.mark.slow
+def test_smollm2_tp2_matches_tp1(smollm2_gguf):
+    prompts = ["The capital of France is", "def fibonacci(n):\n    "]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    single = LLM(smollm2_gguf, dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(smollm2_gguf, dtype="float32", tensor_parallel_size=2)
+    try:
+        split = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
+    for a, b in zip(single, split):
+        la, lb = (torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]) for o in (a, b))
+        assert (la - lb).abs().max().item() < LOGPROB_TOL
+
+
+def test_info_shows_the_parallel_layout():
+    out = subprocess.run([sys.executable, "-m", "slipstream.cli", "info", "--tensor-parallel-size", "2"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "tensor parallel: 2 ranks (this process + spawned workers; gloo;" in out
