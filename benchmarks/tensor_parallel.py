@@ -6,9 +6,10 @@ runs alternated and repeated; the table gives medians and the last line TP=2 / T
 
 - decode, batch B: B sequences of a short prompt; after their prefill step, the steps until
   all have N tokens are timed (tok/s = B * N / that time);
-- all-reduce: on rank 0, the time inside torch.distributed's all_reduce and all_gather per
-  decode step (waiting for the other rank included: what a step pays for the split), and
-  the bytes one step all-reduces: 2 x layers x B x hidden x the activation dtype's size.
+- all-reduce: on rank 0, the time inside the all-reduces and all-gathers per decode step
+  (shared memory, or gloo; waiting for the other rank included: what a step pays for the
+  split), and the bytes one step all-reduces: 2 x layers x B x hidden x the activation
+  dtype's size; broadcast: the time rank 0 spends sending the step's inputs (gloo).
 
 TP=1 runs the fused native decode stack where the backend has one; TP=2 cannot (every layer
 needs its all-reduces), so the ratio includes that.
@@ -33,12 +34,16 @@ clock = time.perf_counter
 
 def child(args: argparse.Namespace) -> None:
     from slipstream import LLM, SamplingParams
+    from slipstream.distributed.parallel_state import group
 
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_num_seqs=max(args.batches), enable_prefix_caching=False)
-    engine, spent = llm.engine, [0.0]
-    for name in ("all_reduce", "all_gather"):
-        setattr(dist, name, _timed(getattr(dist, name), spent))
+    engine, spent = llm.engine, {"comm": 0.0, "broadcast": 0.0}
+    shm = group().shm
+    for owner, name, key in ((dist, "all_reduce", "comm"), (dist, "all_gather", "comm"), (dist, "broadcast", "broadcast"),
+                             (shm, "all_reduce", "comm"), (shm, "all_gather", "comm")):
+        if owner is not None:
+            setattr(owner, name, _timed(getattr(owner, name), spent, key))
     config = engine.model_config
     results = {}
     for batch in args.batches:
@@ -46,25 +51,26 @@ def child(args: argparse.Namespace) -> None:
         for i in range(batch):
             engine.add_request(f"{batch}-{i}", [1 + (i * 7 + j) % 1000 for j in range(16)], params)
         engine.step()  # every prefill
-        spent[0], steps, start = 0.0, 0, clock()
+        spent.update(comm=0.0, broadcast=0.0)
+        steps, start = 0, clock()
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
         elapsed = clock() - start
-        results[batch] = {"tok_s": batch * args.decode_tokens / elapsed, "comm_ms": 1e3 * spent[0] / steps,
-                          "step_ms": 1e3 * elapsed / steps,
+        results[batch] = {"tok_s": batch * args.decode_tokens / elapsed, "comm_ms": 1e3 * spent["comm"] / steps,
+                          "broadcast_ms": 1e3 * spent["broadcast"] / steps, "step_ms": 1e3 * elapsed / steps,
                           "bytes": 2 * config.num_hidden_layers * batch * config.hidden_size * engine.dtype.itemsize}
     print("RESULT", json.dumps(results), flush=True)
     engine.shutdown()
 
 
-def _timed(fn, spent: list[float]):
+def _timed(fn, spent: dict[str, float], key: str):
     def timed(*a, **k):
         start = clock()
         try:
             return fn(*a, **k)
         finally:
-            spent[0] += clock() - start
+            spent[key] += clock() - start
     return timed
 
 
@@ -94,14 +100,14 @@ def main() -> None:
         for tp in runs:
             runs[tp].append(run(args, tp))
     print(f"{args.model}, {args.threads} threads in all, {args.decode_tokens} decode tokens, median of {args.repeats}")
-    print("batch  TP  tok/s    ms/step  all-reduce ms/step  bytes all-reduced/step")
+    print("batch  TP  tok/s    ms/step  all-reduce ms/step  broadcast ms/step  bytes all-reduced/step")
+    keys = ("tok_s", "step_ms", "comm_ms", "broadcast_ms")
     for batch in args.batches:
-        med = {tp: {k: statistics.median(r[batch][k] for r in runs[tp]) for k in ("tok_s", "step_ms", "comm_ms")}
-               for tp in runs}
+        med = {tp: {k: statistics.median(r[batch][k] for r in runs[tp]) for k in keys} for tp in runs}
         for tp in runs:
             m = med[tp]
             print(f"{batch:5d}  {tp:2d}  {m['tok_s']:7.1f}  {m['step_ms']:7.2f}  {m['comm_ms']:18.2f}  "
-                  f"{runs[tp][0][batch]['bytes'] if tp > 1 else 0:>22,}")
+                  f"{m['broadcast_ms']:17.2f}  {runs[tp][0][batch]['bytes'] if tp > 1 else 0:>22,}")
         print(f"batch {batch}: TP=2 / TP=1 decode {med[2]['tok_s'] / med[1]['tok_s']:.2f}x")
 
 

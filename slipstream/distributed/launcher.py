@@ -7,18 +7,23 @@ rank 0 goes on to run the engine, and every other rank serves the model inside t
 constructor until rank 0 shuts down, then exits. Each rank has a device group for the
 activations' collectives (gloo on CPU, NCCL on CUDA), with a bounded timeout so that a hung
 rank ends the step with an error, and a gloo group without one for the step messages,
-which may wait for requests for as long as the server is idle.
+which may wait for requests for as long as the server is idle. Ranks that share one
+machine's memory (CPU) exchange activations through a shared mapping instead of gloo.
 
-A rank that dies breaks the group's connections: rank 0's next collective fails, and
-`failure()` turns that into an error naming the dead rank and stops the others, so no
-worker outlives the engine. This module never knows models or requests.
+A rank that dies breaks the group's connections (or, in shared memory, fails the liveness
+check of the ranks waiting for it: rank 0 polls its spawned workers, a worker its parent;
+torchrun's ranks rely on the timeout): rank 0's collective fails, and `failure()` turns that
+into an error naming the dead rank and stops the others, so no worker outlives the engine.
+This module never knows models or requests.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import socket
+import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -26,8 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from slipstream.backends.cpu.shm_collectives import ShmCollectives
 from slipstream.config import EngineConfig
-from slipstream.distributed.parallel_state import TensorParallelGroup, set_group
+from slipstream.distributed.parallel_state import TensorParallelGroup, agree, group, set_group
 from slipstream.worker.step_channel import FINISH_CALIBRATION, SHUTDOWN, StepChannel
 
 logger = logging.getLogger("slipstream")
@@ -61,7 +67,8 @@ class TensorParallel:
         parallel = cls(size, "spawn", None, workers)
         atexit.register(parallel.shutdown)
         try:
-            parallel.channel = _init_group(0, size, url, threads, config.device)
+            parallel.channel = _init_group(0, size, url, threads, config.device,
+                                           lambda: all(w.is_alive() for w in workers))
         except BaseException:
             parallel.shutdown()
             raise
@@ -72,7 +79,8 @@ class TensorParallel:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != size:
             raise ValueError(f"tensor_parallel_size={size} must equal torchrun's WORLD_SIZE={world}")
-        channel = _init_group(rank, size, "env://", threads, config.device)
+        one_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == world
+        channel = _init_group(rank, size, "env://", threads, config.device, (lambda: True) if one_machine else None)
         if rank != 0:
             _serve(config, rank)
             raise SystemExit(0)
@@ -82,7 +90,7 @@ class TensorParallel:
 
     def describe(self, device: torch.device) -> str:
         launcher = "torchrun's processes" if self.launcher == "torchrun" else "this process + spawned workers"
-        return describe_layout(self.size, device, launcher, torch.get_num_threads())
+        return describe_layout(self.size, device, launcher, torch.get_num_threads(), group().shm is not None)
 
     def finish_calibration(self) -> None:
         if self.channel is not None:
@@ -120,19 +128,24 @@ class TensorParallel:
             worker.join(5)
 
 
-def describe_layout(size: int, device: torch.device, launcher: str | None = None, threads: int | None = None) -> str:
+def describe_layout(size: int, device: torch.device, launcher: str | None = None, threads: int | None = None,
+                    shm: bool | None = None) -> str:
     """The parallel layout as the start-up line and `slipstream info` show it (before a group exists:
-    the launcher and threads per rank that `start` would choose)."""
+    the launcher, threads per rank and transport that `start` would choose)."""
     if size == 1:
         return "tensor parallel: off (1 rank; --tensor-parallel-size N splits every layer over N ranks)"
     launcher = launcher or ("torchrun's processes" if "RANK" in os.environ else "this process + spawned workers")
     threads = threads or max(1, torch.get_num_threads() // size)
-    comm = "NCCL activations, gloo step inputs" if device.type == "cuda" else "gloo"
+    shm = ShmCollectives.available() if shm is None else shm
+    comm = ("NCCL activations, gloo step inputs" if device.type == "cuda" else
+            "shared-memory activations, gloo step inputs" if shm else "gloo")
     return (f"tensor parallel: {size} ranks ({launcher}; {comm}; {threads} thread(s) per rank): attention heads, "
             f"MLP/expert features and vocabulary split {size} ways, KV heads split or copied; rank 0 schedules and samples")
 
 
-def _init_group(rank: int, size: int, url: str, threads: int, device: str) -> StepChannel:
+def _init_group(rank: int, size: int, url: str, threads: int, device: str, alive) -> StepChannel:
+    """Join the group; `alive` (whether the other ranks still exist) is given where they all share
+    this machine, and the activations then go through shared memory on CPU."""
     torch.set_num_threads(threads)
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if cuda:
@@ -141,11 +154,29 @@ def _init_group(rank: int, size: int, url: str, threads: int, device: str) -> St
                             timeout=timedelta(seconds=_step_timeout()))
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     set_group(TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group))
+    if alive is not None and not cuda:  # the mapping is set up over the group just set
+        set_group(dataclasses.replace(group(), shm=_shared_memory(rank, size, alive)))
     return StepChannel(cpu_group)
 
 
+def _shared_memory(rank: int, size: int, alive) -> ShmCollectives | None:
+    """One mapping every rank opens, named by a number rank 0 draws; unlinked once all have it."""
+    if not agree(int(ShmCollectives.available()), "min"):
+        return None
+    name = torch.randint(2**62, (1,)) if rank == 0 else torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(name, 0, group=group().cpu_group)
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(directory, f"slipstream-tp-{int(name)}")
+    shm = ShmCollectives(path, rank, size, alive, _step_timeout())
+    dist.barrier(group=group().cpu_group)
+    if rank == 0:
+        os.unlink(path)
+    return shm
+
+
 def _worker_main(config: EngineConfig, rank: int, url: str, threads: int) -> None:
-    _init_group(rank, config.tensor_parallel_size, url, threads, config.device)
+    parent = os.getppid()
+    _init_group(rank, config.tensor_parallel_size, url, threads, config.device, lambda: os.getppid() == parent)
     _serve(config, rank)
 
 

@@ -3,7 +3,8 @@
 Layers read `tp_rank()` / `tp_size()` when they are built (to size their shards) and call
 `all_reduce` / `all_gather` in their forward; with one rank every call is the identity, so
 single-process code pays nothing. `device_group` carries activations (gloo on CPU, NCCL on
-CUDA); `cpu_group` carries the step inputs rank 0 broadcasts. This module never knows
+CUDA), or `shm` where the ranks share a machine and its memory (CPU; tensors up to a slot);
+`cpu_group` carries the step inputs rank 0 broadcasts. This module never knows
 models, schedulers or how the processes were started (distributed/launcher.py).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ class TensorParallelGroup:
     size: int = 1
     device_group: object | None = None
     cpu_group: object | None = None
+    shm: object | None = None  # backends/cpu/shm_collectives.ShmCollectives
 
 
 _group = TensorParallelGroup()
@@ -44,7 +46,7 @@ def tp_size() -> int:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of every rank's x (in place)."""
-    if _group.size > 1:
+    if _group.size > 1 and not (_group.shm is not None and _group.shm.all_reduce(x)):
         dist.all_reduce(x, group=_group.device_group)
     return x
 
@@ -53,6 +55,9 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Every rank's x, concatenated along `dim` in rank order."""
     if _group.size == 1:
         return x
+    gathered = None if _group.shm is None else _group.shm.all_gather(x, dim)
+    if gathered is not None:
+        return gathered
     parts = [torch.empty_like(x) for _ in range(_group.size)]
     dist.all_gather(parts, x.contiguous(), group=_group.device_group)
     return torch.cat(parts, dim=dim)

@@ -71,8 +71,9 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """Each rank holds a slice of the input features (`part` = (start, length); default an even split) and multiplies its slice of x; the sum over
-    ranks (one all-reduce of [T, output_size]) is the layer's output. Rank 0 alone adds the bias."""
+    """Each rank holds a slice of the input features (`part` = (start, length), default an even
+    split) and multiplies its slice of x; the sum over ranks (one all-reduce of [T, output_size])
+    is the layer's output. Rank 0 alone adds the bias."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, part: tuple[int, int] | None = None):
         start, length = part or even_part(input_size)

@@ -162,8 +162,8 @@ class Gemma4Model(nn.Module):
     def __init__(self, config: Gemma4Config):
         if tp_size() > 1:
             raise ValueError("tensor_parallel_size > 1 does not support Gemma 4 (per-layer inputs, KV sharing "
-                             "and its MoE block are not sharded); supported: the llama family, its MoE relatives "
-                             "but OLMoE, Gemma 3")
+                             "and its MoE block are not sharded); supported: the llama family, Mixtral, "
+                             "Qwen2/3-MoE and Gemma 3")
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

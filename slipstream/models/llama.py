@@ -37,8 +37,8 @@ class LlamaAttention(nn.Module):
 
     Under tensor parallelism each rank holds whole GQA groups (a KV head and the query heads
     that read it), as equal a share as the groups allow (SmolLM2's 3 KV heads on 2 ranks: 2
-    and 1). With fewer KV heads than ranks, the
-    ranks sharing a KV head each keep a copy of it and split its query heads.
+    and 1). With fewer KV heads than ranks, the ranks sharing a KV head each keep a copy of
+    it and split its query heads.
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None,

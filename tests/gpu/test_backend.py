@@ -11,7 +11,7 @@ from slipstream.backends.cuda.attention import dense_attention, turboquant_encod
 from slipstream.backends.cuda.backend import CudaBackend
 from slipstream.backends.cuda.experts import TritonExperts
 from slipstream.backends.reference import ReferenceBackend
-from slipstream.engine import engine
+from slipstream.worker import worker
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 from slipstream.layers.moe import Experts
@@ -57,9 +57,9 @@ def test_engine_greedy_tokens_match_the_reference_backend(tiny_llama, monkeypatc
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     kwargs = dict(model=tiny_llama, dtype="float32", device=DEVICE.type, max_num_batched_tokens=48,
                   kv_cache_memory=2**20)
-    monkeypatch.setattr(engine, "select_backend", _only(ReferenceBackend))
+    monkeypatch.setattr(worker, "select_backend", _only(ReferenceBackend))
     expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(engine, "select_backend", _only(CudaBackend))
+    monkeypatch.setattr(worker, "select_backend", _only(CudaBackend))
     llm = LLM(**kwargs)
     assert isinstance(llm.engine.backend, CudaBackend)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -73,9 +73,9 @@ def test_engine_on_turboquant_codes_matches_the_reference_backend(tiny_llama, mo
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     kwargs = dict(model=tiny_llama, dtype="float32", device=DEVICE.type, max_num_batched_tokens=32,
                   kv_cache_memory=2**20, kv_cache_dtype="tq4", kv_cache_recent_tokens=8, kv_cache_sink_tokens=2)
-    monkeypatch.setattr(engine, "select_backend", _only(ReferenceBackend))
+    monkeypatch.setattr(worker, "select_backend", _only(ReferenceBackend))
     expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(engine, "select_backend", _only(CudaBackend))
+    monkeypatch.setattr(worker, "select_backend", _only(CudaBackend))
     llm = LLM(**kwargs)
     assert all(layer.encoder is turboquant_encode for layer in llm.engine.kv_cache.layers)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -88,9 +88,9 @@ def test_engine_on_moe_models_matches_the_reference_backend(family, tmp_path, mo
     prompts = random_prompts(2, 10, 30, seed=5)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     kwargs = dict(model=path, dtype="float32", device=DEVICE.type, max_num_batched_tokens=32, kv_cache_memory=2**20)
-    monkeypatch.setattr(engine, "select_backend", _only(ReferenceBackend))
+    monkeypatch.setattr(worker, "select_backend", _only(ReferenceBackend))
     expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(engine, "select_backend", _only(CudaBackend))
+    monkeypatch.setattr(worker, "select_backend", _only(CudaBackend))
     got = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
     assert got == expected
 

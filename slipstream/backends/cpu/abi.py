@@ -146,6 +146,10 @@ class Kernels:
     gguf_gemm = Function("gguf_gemm", I32, P, P, P, I64, I64, I64, I64, I32, restype=STATUS)
     # (ggml type id, W's blocks [N, row bytes], out float32 [N, K], n, k, threads)
     gguf_dequantize = Function("gguf_gemm", I32, P, P, I64, I64, I32, restype=STATUS)
+    # (flag, seq): publish that this rank's slot holds call `seq`
+    shm_publish = Function("shm_sync", P, I64)
+    # (flags, stride in int64s, ranks, seq, timeout ns): 0 once every flag reached seq, -1 at the timeout
+    shm_wait = Function("shm_sync", P, I32, I32, I64, I64, restype=STATUS)
     # (layers, count, step, x)
     decoder_layers_decode = Function("decoder_layer", ctypes.POINTER(Layer), I32, ctypes.POINTER(Step), P,
                                      restype=STATUS)
