@@ -43,6 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: --no-enforce-eager captures decode steps as CUDA graphs (off by default: untested on a GPU)")
     parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                         help="ranks that split every layer: this process and N-1 it starts, or torchrun's N")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="with --tensor-parallel-size N: MoE experts split by expert, E/N per rank")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
@@ -56,7 +58,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, device=args.device, speculative_config=args.speculative_config,
         deterministic=args.deterministic, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel)
 
 
 def _json_object(text: str) -> dict:

@@ -52,6 +52,9 @@ class EngineConfig:
     enforce_eager: bool = True
     # ranks that split every layer (vLLM's name): this process and N-1 it spawns, or torchrun's N processes
     tensor_parallel_size: int = 1
+    # with tensor_parallel_size > 1: MoE experts split by expert (E/N whole experts per rank) instead of
+    # every expert split by its features (vLLM's name)
+    enable_expert_parallel: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -94,6 +97,10 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be True or False")
+        if self.enable_expert_parallel and size == 1:
+            raise ValueError("enable_expert_parallel=True splits experts over ranks: it needs tensor_parallel_size > 1")
         if size == 1:
             return
         if self.quantization == "gguf":

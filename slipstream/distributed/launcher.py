@@ -67,8 +67,7 @@ class TensorParallel:
         parallel = cls(size, "spawn", None, workers)
         atexit.register(parallel.shutdown)
         try:
-            parallel.channel = _init_group(0, size, url, threads, config.device,
-                                           lambda: all(w.is_alive() for w in workers))
+            parallel.channel = _init_group(0, config, url, threads, lambda: all(w.is_alive() for w in workers))
         except BaseException:
             parallel.shutdown()
             raise
@@ -80,9 +79,9 @@ class TensorParallel:
         if world != size:
             raise ValueError(f"tensor_parallel_size={size} must equal torchrun's WORLD_SIZE={world}")
         one_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == world
-        channel = _init_group(rank, size, "env://", threads, config.device, (lambda: True) if one_machine else None)
+        channel = _init_group(rank, config, "env://", threads, (lambda: True) if one_machine else None)
         if rank != 0:
-            _serve(config, rank)
+            _serve(config, rank, channel)
             raise SystemExit(0)
         parallel = cls(size, "torchrun", channel)
         atexit.register(parallel.shutdown)
@@ -90,7 +89,8 @@ class TensorParallel:
 
     def describe(self, device: torch.device) -> str:
         launcher = "torchrun's processes" if self.launcher == "torchrun" else "this process + spawned workers"
-        return describe_layout(self.size, device, launcher, torch.get_num_threads(), group().shm is not None)
+        return describe_layout(self.size, device, launcher, torch.get_num_threads(), group().shm is not None,
+                               group().expert_parallel)
 
     def finish_calibration(self) -> None:
         if self.channel is not None:
@@ -129,7 +129,7 @@ class TensorParallel:
 
 
 def describe_layout(size: int, device: torch.device, launcher: str | None = None, threads: int | None = None,
-                    shm: bool | None = None) -> str:
+                    shm: bool | None = None, expert_parallel: bool = False) -> str:
     """The parallel layout as the start-up line and `slipstream info` show it (before a group exists:
     the launcher, threads per rank and transport that `start` would choose)."""
     if size == 1:
@@ -139,13 +139,16 @@ def describe_layout(size: int, device: torch.device, launcher: str | None = None
     shm = ShmCollectives.available() if shm is None else shm
     comm = ("NCCL activations, gloo step inputs" if device.type == "cuda" else
             "shared-memory activations, gloo step inputs" if shm else "gloo")
+    experts = "whole experts" if expert_parallel else "expert features"
     return (f"tensor parallel: {size} ranks ({launcher}; {comm}; {threads} thread(s) per rank): attention heads, "
-            f"MLP/expert features and vocabulary split {size} ways, KV heads split or copied; rank 0 schedules and samples")
+            f"MLP features, {experts} and vocabulary split {size} ways, KV heads split or copied; "
+            "rank 0 schedules and samples")
 
 
-def _init_group(rank: int, size: int, url: str, threads: int, device: str, alive) -> StepChannel:
+def _init_group(rank: int, config: EngineConfig, url: str, threads: int, alive) -> StepChannel:
     """Join the group; `alive` (whether the other ranks still exist) is given where they all share
     this machine, and the activations then go through shared memory on CPU."""
+    size, device = config.tensor_parallel_size, config.device
     torch.set_num_threads(threads)
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if cuda:
@@ -153,10 +156,10 @@ def _init_group(rank: int, size: int, url: str, threads: int, device: str, alive
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=url, rank=rank, world_size=size,
                             timeout=timedelta(seconds=_step_timeout()))
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    set_group(TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group))
+    set_group(TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group, expert_parallel=config.enable_expert_parallel))
     if alive is not None and not cuda:  # the mapping is set up over the group just set
         set_group(dataclasses.replace(group(), shm=_shared_memory(rank, size, alive)))
-    return StepChannel(cpu_group)
+    return StepChannel(cpu_group, timedelta(seconds=_step_timeout()))
 
 
 def _shared_memory(rank: int, size: int, alive) -> ShmCollectives | None:
@@ -176,15 +179,15 @@ def _shared_memory(rank: int, size: int, alive) -> ShmCollectives | None:
 
 def _worker_main(config: EngineConfig, rank: int, url: str, threads: int) -> None:
     parent = os.getppid()
-    _init_group(rank, config.tensor_parallel_size, url, threads, config.device, lambda: os.getppid() == parent)
-    _serve(config, rank)
+    channel = _init_group(rank, config, url, threads, lambda: os.getppid() == parent)
+    _serve(config, rank, channel)
 
 
-def _serve(config: EngineConfig, rank: int) -> None:
+def _serve(config: EngineConfig, rank: int, channel: StepChannel) -> None:
     from slipstream.worker.tp_worker import TensorParallelWorker  # the worker imports the engine's loaders
 
     try:
-        TensorParallelWorker(config).run()
+        TensorParallelWorker(config, channel).run()
     except Exception:
         logger.exception("tensor-parallel rank %d stopped on an error", rank)
         raise SystemExit(1) from None

@@ -22,6 +22,7 @@ class TensorParallelGroup:
     device_group: object | None = None
     cpu_group: object | None = None
     shm: object | None = None  # backends/cpu/shm_collectives.ShmCollectives
+    expert_parallel: bool = False  # MoE experts split by expert instead of by their features
 
 
 _group = TensorParallelGroup()
@@ -42,6 +43,10 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _group.size
+
+
+def expert_parallel() -> bool:
+    return _group.size > 1 and _group.expert_parallel
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

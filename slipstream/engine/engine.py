@@ -61,8 +61,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         if config.deterministic:
             self._check_deterministic(loaded.model)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = worker.max_model_len
         num_blocks = self.kv_cache.num_blocks - (0 if config.enforce_eager else 1)  # the last: CUDA graphs' scratch
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         spec = config.speculative_config

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from slipstream.distributed.parallel_state import all_reduce, split, tp_rank, tp_size
 from slipstream.distributed.shard import Shard, set_shards
 
 
@@ -89,9 +89,7 @@ class RowParallelLinear(Linear):
 
 def even_part(size: int) -> tuple[int, int]:
     """(start, length) of this rank's equal share of `size` features."""
-    if size % tp_size():
-        raise ValueError(f"tensor_parallel_size={tp_size()} must divide a layer's {size} features")
-    length = size // tp_size()
+    length = split(size, "a layer's features")
     return tp_rank() * length, length
 
 

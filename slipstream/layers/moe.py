@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.distributed.parallel_state import all_reduce, split, tp_rank, tp_size
+from slipstream.distributed.parallel_state import all_reduce, expert_parallel, split, tp_rank, tp_size
 from slipstream.distributed.shard import Shard, set_shards
 from slipstream.layers.linear import Linear
 from slipstream.layers.mlp import GatedMLP, activation
@@ -91,17 +91,23 @@ class Experts(nn.Module):
     """E gated MLPs held as stacked weights, run grouped by expert by the method a backend binds.
 
     Under tensor parallelism every rank holds every expert's slice of the intermediate
-    features (gate and up by rows, down by columns) and its output is a partial sum that
-    the block all-reduces: the same split as a dense MLP's, so routing needs no exchange."""
+    features (gate and up by rows, down by columns), or with expert parallelism E/N whole
+    experts (`first_expert` on), running only the pairs routed to them. Either way its output
+    is a partial sum that the block all-reduces, and the router, replicated, needs no exchange."""
 
     method = ExpertsMethod()
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__()
-        local = split(intermediate_size, "the experts' intermediate_size")
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
-        if tp_size() > 1:
+        local_experts = split(num_experts, "num_experts") if expert_parallel() else num_experts
+        local = intermediate_size if expert_parallel() else split(intermediate_size, "the experts' intermediate_size")
+        self.first_expert = tp_rank() * local_experts if expert_parallel() else 0
+        self.gate_up_proj = nn.Parameter(torch.empty(local_experts, 2 * local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(local_experts, hidden_size, local))
+        if expert_parallel():
+            for param in (self.gate_up_proj, self.down_proj):
+                set_shards(param, {None: Shard(0, ((self.first_expert, local_experts),))})
+        elif tp_size() > 1:
             start = tp_rank() * local
             set_shards(self.gate_up_proj, {None: Shard(1, ((start, local), (intermediate_size + start, local)))})
             set_shards(self.down_proj, {None: Shard(2, ((start, local),))})
@@ -112,8 +118,11 @@ class Experts(nn.Module):
                 counts: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]; counts [E] = pairs per expert. Returns [T, H]."""
         order = ids.flatten().argsort(stable=True)  # pairs grouped by expert, expert 0 first
-        groups = ExpertGroups(order // ids.shape[1], weights.flatten()[order].float(),
-                              counts.tolist())  # one host sync per layer, not per expert
+        sizes = counts.tolist()  # one host sync per layer, not per expert
+        first, local = self.first_expert, self.gate_up_proj.shape[0]
+        start, end = sum(sizes[:first]), sum(sizes[:first + local])  # this rank's experts' pairs
+        order = order[start:end] if end - start < len(order) else order
+        groups = ExpertGroups(order // ids.shape[1], weights.flatten()[order].float(), sizes[first:first + local])
         return self.method.apply(self, x, groups)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:

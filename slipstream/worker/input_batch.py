@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from slipstream.attention.metadata import AttentionMetadata, leading_decodes
+from slipstream.kvcache.cache import KVCache
 from slipstream.sampling_params import SamplingParams
 from slipstream.structured.bitmask import GrammarState
 
@@ -46,6 +47,13 @@ Row = tuple[CachedSequence, int, int]
 
 
 class InputBatch:
+    @classmethod
+    def for_cache(cls, max_num_tokens: int, max_num_seqs: int, max_model_len: int, kv_cache: KVCache,
+                  device: torch.device) -> "InputBatch":
+        """Sized for the largest step: a row's block table spans at most max_model_len or the whole cache."""
+        max_blocks = min(kv_cache.num_blocks, -(-max_model_len // kv_cache.block_size))
+        return cls(max_num_tokens, max_num_seqs, max_blocks, kv_cache.block_size, device)
+
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device):
         self.block_size = block_size

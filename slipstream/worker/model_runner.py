@@ -45,8 +45,7 @@ class ModelRunner:
         self.model = model
         self.sampler = sampler
         self.sequences: dict[int, CachedSequence] = {}
-        max_blocks = min(kv_cache.num_blocks, -(-max_model_len // kv_cache.block_size))
-        self.input_batch = InputBatch(max_num_tokens, max_num_seqs, max_blocks, kv_cache.block_size, backend.device)
+        self.input_batch = InputBatch.for_cache(max_num_tokens, max_num_seqs, max_model_len, kv_cache, backend.device)
         self.channel = channel
         if channel is None:  # the fused stack runs every layer in one call: no place for the all-reduces
             model.use_decode_stack(backend.decode_stack(model))

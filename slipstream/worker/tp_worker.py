@@ -10,19 +10,18 @@ import torch
 
 from slipstream.attention.metadata import use_metadata
 from slipstream.config import EngineConfig
-from slipstream.distributed.parallel_state import group
 from slipstream.worker.input_batch import InputBatch
 from slipstream.worker.step_channel import FINISH_CALIBRATION, SHUTDOWN, StepChannel
 from slipstream.worker.worker import build_worker
 
 
 class TensorParallelWorker:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, channel: StepChannel):
         worker = build_worker(config)
         self.model, self.kv_cache = worker.loaded.model, worker.kv_cache
-        self.batch = InputBatch(config.max_num_batched_tokens, config.max_num_seqs, self.kv_cache.num_blocks,
-                                self.kv_cache.block_size, worker.device)
-        self.channel = StepChannel(group().cpu_group)
+        self.batch = InputBatch.for_cache(config.max_num_batched_tokens, config.max_num_seqs, worker.max_model_len,
+                                          self.kv_cache, worker.device)
+        self.channel = channel
 
     @torch.inference_mode()
     def run(self) -> None:

@@ -28,6 +28,7 @@ class Worker:
     backend: Backend
     loaded: LoadedModel
     kv_cache: KVCache
+    max_model_len: int  # the config's, capped at the model's positions
 
 
 def build_worker(config: EngineConfig) -> Worker:
@@ -38,7 +39,8 @@ def build_worker(config: EngineConfig) -> Worker:
     loaded = load_model(config.model, dtype, backend, config.quantization)
     kv_cache = _allocate_kv_cache(config, loaded, backend, dtype)
     backend.bind_attention(loaded.model.attention_layers(), kv_cache.layers)
-    return Worker(device, dtype, backend, loaded, kv_cache)
+    positions = loaded.config.max_position_embeddings
+    return Worker(device, dtype, backend, loaded, kv_cache, min(config.max_model_len or positions, positions))
 
 
 def _allocate_kv_cache(c: EngineConfig, loaded: LoadedModel, backend: Backend, dtype: torch.dtype) -> KVCache:
