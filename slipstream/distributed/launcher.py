@@ -49,13 +49,15 @@ class TensorParallel:
     launcher: str = "none"  # "spawn" or "torchrun"
     channel: StepChannel | None = None
     workers: list = field(default_factory=list)  # the processes of ranks 1..N-1, where this process spawned them
+    threads_before: int = 0  # torch's threads in this process before a rank's share was set; restored at shutdown
 
     @classmethod
     def start(cls, config: EngineConfig) -> "TensorParallel":
         size = config.tensor_parallel_size
         if size == 1:
             return cls()
-        threads = max(1, torch.get_num_threads() // size)
+        threads_before = torch.get_num_threads()
+        threads = max(1, threads_before // size)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             return cls._join_torchrun(config, size, threads)
         url = f"tcp://127.0.0.1:{_free_port()}"
@@ -64,7 +66,7 @@ class TensorParallel:
                                    name=f"slipstream-tp-rank{rank}") for rank in range(1, size)]
         for worker in workers:
             worker.start()
-        parallel = cls(size, "spawn", None, workers)
+        parallel = cls(size, "spawn", None, workers, threads_before)
         atexit.register(parallel.shutdown)
         try:
             parallel.channel = _init_group(0, config, url, threads, lambda: all(w.is_alive() for w in workers))
@@ -120,6 +122,9 @@ class TensorParallel:
         if dist.is_initialized():
             dist.destroy_process_group()
         set_group(TensorParallelGroup())
+        if self.threads_before:
+            torch.set_num_threads(self.threads_before)
+            self.threads_before = 0
 
     def _stop_workers(self) -> None:
         for worker in self.workers:

@@ -42,7 +42,6 @@ class VocabParallelEmbedding(nn.Embedding):
 class ParallelLMHead(Linear):
     """hidden -> logits over the whole vocabulary; the weight may be the embedding's (tied)."""
 
-
     def __init__(self, hidden_size: int, vocab_size: int):
         _, rows, shard = vocab_shard(vocab_size)
         super().__init__(hidden_size, rows, bias=False)

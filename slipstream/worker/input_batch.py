@@ -93,7 +93,8 @@ class InputBatch:
         """The last prepared step's buffers as one host tensor (what tensor-parallel workers receive)."""
         return torch.cat([self.host[name][:n] for name, n in _sizes(self.shape).items()])
 
-    def unpack(self, shape: tuple[int, int, int], packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def unpack(self, shape: tuple[int, int, int],
+               packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """prepare()'s result for a step that another rank prepared and packed."""
         self.shape, start = shape, 0
         for name, n in _sizes(shape).items():
@@ -105,8 +106,9 @@ class InputBatch:
         _, count, width = self.shape
         starts = self.np["query_start_loc"][:count + 1].tolist()
         t = self._to_device(_sizes(self.shape))
+        query_lens = [b - a for a, b in zip(starts, starts[1:])]
         meta = AttentionMetadata(t["slot_mapping"], t["query_start_loc"], t["seq_lens"], t["block_table"].view(count, width),
-                                 leading_decodes([b - a for a, b in zip(starts, starts[1:])]), starts, self.np["seq_lens"][:count].tolist())
+                                 leading_decodes(query_lens), starts, self.np["seq_lens"][:count].tolist())
         return t["input_ids"], t["positions"], meta
 
     def _to_device(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:

@@ -110,11 +110,14 @@ def test_ngram_speculation_verifies_across_ranks(tiny_llama):
 
 
 def test_shutdown_leaves_no_worker(tiny_llama):
+    threads = torch.get_num_threads()
     llm = LLM(tiny_llama, dtype="float32", tensor_parallel_size=2)
     workers = llm.engine.parallel.workers
     assert [w.is_alive() for w in workers] == [True]
+    assert torch.get_num_threads() == max(1, threads // 2)  # rank 0's share of the cores
     llm.engine.shutdown()
     assert [w.exitcode for w in workers] == [0]
+    assert torch.get_num_threads() == threads  # the process has its threads back
 
 
 @pytest.mark.slow
