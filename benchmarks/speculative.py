@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram) on SmolLM2: tokens/s with and without, in one run, alternated.
+"""Speculative decoding (n-gram, or a draft model) on SmolLM2: tokens/s with and without, in one run, alternated.
 
 Workloads, greedy, chat template:
 - grounded: "repeat this code" over Python standard-library source read at run time
@@ -10,6 +10,7 @@ medians of output tokens / wall time and / process CPU time (the CPU time is les
 by other processes on a shared machine), their ratios, and the acceptance.
 
     python benchmarks/speculative.py [--num-speculative-tokens 4] [--max-tokens 128] [--repeats 3]
+    python benchmarks/speculative.py --draft-model smollm2-135m --draft-quantization int4  # the model's int4 copy
 
 --measure-cost instead measures the Speculator's VERIFY_COST: process CPU time per step with
 drafts that are always rejected (one token per step, like a plain decode) over a plain decode
@@ -26,6 +27,7 @@ import time
 import torch
 
 from slipstream import LLM, SamplingParams
+from slipstream.speculative.ngram import StatelessProposer
 
 MODULES = ["textwrap", "shlex", "bisect", "heapq", "colorsys", "fnmatch", "queue", "glob"]
 TOPICS = ["lighthouses", "bread baking", "volcanoes", "chess openings", "honeybees", "city parks", "old maps",
@@ -56,17 +58,17 @@ def run(llm: LLM, prompts, max_tokens: int) -> tuple[float, float, int, list]:
     return wall, cpu, sum(len(o.outputs[0].token_ids) for o in outs), outs
 
 
-class Rejected:
+class Rejected(StatelessProposer):
     """Drafts of token 0 (<|endoftext|>), which greedy text here never produces."""
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
         return [0] * k
 
 
 def measure_cost(engines: dict[str, LLM], repeats: int, context: int) -> None:
     from slipstream.speculative import speculator
     speculator.VERIFY_COST = ((1, 0.0), (10**6, 0.0))  # speculate at every step, at any batch
-    engines["ngram"].engine.speculator.proposer = Rejected()
+    engines["spec"].engine.speculator.proposer = Rejected()
     params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
     for batch in (1, 2, 4, 8, 16):
         prompts = [[100 + (i * 31 + 7 * b) % 40000 for i in range(context)] for b in range(batch)]
@@ -78,7 +80,7 @@ def measure_cost(engines: dict[str, LLM], repeats: int, context: int) -> None:
                 start = time.process_time()
                 llm.generate(prompts, params, use_tqdm=False)
                 cpu[key] = time.process_time() - start
-            ratios.append(cpu["ngram"] / cpu["plain"])
+            ratios.append(cpu["spec"] / cpu["plain"])
         print(f"{batch} rows: verification step / decode step, CPU time: {statistics.median(ratios):.2f}", flush=True)
 
 
@@ -92,6 +94,9 @@ def main() -> None:
     parser.add_argument("--code-chars", type=int, default=600)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--draft-model", default=None,
+                        help="speculate with this draft model (method draft_model) instead of n-gram lookup")
+    parser.add_argument("--draft-quantization", default=None, help="the draft's weights, e.g. int4 (a copy of the target)")
     parser.add_argument("--measure-cost", action="store_true")
     parser.add_argument("--cost-context", type=int, default=256, help="prompt tokens of each row (--measure-cost)")
     args = parser.parse_args()
@@ -99,12 +104,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    if args.draft_model:
+        spec = {"method": "draft_model", "model": args.draft_model, "quantization": args.draft_quantization,
+                "num_speculative_tokens": args.num_speculative_tokens}
     engines = {"plain": LLM(args.model, kv_cache_memory=64 * 2**20),
-               "ngram": LLM(args.model, kv_cache_memory=64 * 2**20, speculative_config=spec)}
+               "spec": LLM(args.model, kv_cache_memory=64 * 2**20, speculative_config=spec)}
     print(f"{args.model}, {torch.get_num_threads()} threads, greedy, max_tokens {args.max_tokens}, {spec}")
     if args.measure_cost:
         return measure_cost(engines, args.repeats, args.cost_context)
-    print("| workload | batch | plain tok/s (wall / CPU) | ngram tok/s (wall / CPU) | ratio wall | ratio CPU "
+    print(f"| workload | batch | plain tok/s (wall / CPU) | {spec['method']} tok/s (wall / CPU) | ratio wall | ratio CPU "
           "| acceptance | mean accepted length | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, make in (("grounded", lambda n: grounded(n, args.code_chars)), ("open-ended", lambda n: open_ended(n, 0))):
@@ -120,13 +128,13 @@ def main() -> None:
                     rates[key][0].append(tokens / wall)
                     rates[key][1].append(tokens / cpu)
             med = {k: (statistics.median(w), statistics.median(c)) for k, (w, c) in rates.items()}
-            m = [o.metrics for o in outs["ngram"]]
+            m = [o.metrics for o in outs["spec"]]
             drafts, draft_tokens = sum(x.num_drafts for x in m), sum(x.num_draft_tokens for x in m)
             accepted = sum(x.num_accepted_tokens for x in m)
-            same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs["plain"], outs["ngram"]))
-            print(f"| {name} | {batch} | {med['plain'][0]:.1f} / {med['plain'][1]:.1f} | {med['ngram'][0]:.1f} / "
-                  f"{med['ngram'][1]:.1f} | {med['ngram'][0] / med['plain'][0]:.2f}x | "
-                  f"{med['ngram'][1] / med['plain'][1]:.2f}x | "
+            same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs["plain"], outs["spec"]))
+            print(f"| {name} | {batch} | {med['plain'][0]:.1f} / {med['plain'][1]:.1f} | {med['spec'][0]:.1f} / "
+                  f"{med['spec'][1]:.1f} | {med['spec'][0] / med['plain'][0]:.2f}x | "
+                  f"{med['spec'][1] / med['plain'][1]:.2f}x | "
                   f"{accepted / draft_tokens if draft_tokens else 0:.0%} | "
                   f"{1 + accepted / drafts if drafts else 1:.2f} | {same}/{batch} |", flush=True)
 

@@ -39,7 +39,8 @@ class EngineConfig:
     seed: int = 0
     log_stats_interval: float | None = None
     # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ...,
-    # "prompt_lookup_max": ...}; validate() turns it into a SpeculativeConfig
+    # "prompt_lookup_max": ...} or {"method": "draft_model", "model": ..., "num_speculative_tokens": k,
+    # "quantization": ...}; validate() turns it into a SpeculativeConfig
     speculative_config: dict | SpeculativeConfig | None = None
     # batch-invariant outputs (the same bits whatever else is in the batch): True requires them,
     # False takes the fastest kernels, None (auto) has them where they cost nothing (CPUs without AMX)
@@ -55,6 +56,16 @@ class EngineConfig:
     # with tensor_parallel_size > 1: MoE experts split by expert (E/N whole experts per rank) instead of
     # every expert split by its features (vLLM's name)
     enable_expert_parallel: bool = False
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+
+    @property
+    def max_num_rows(self) -> int:
+        """Rows of one step's input batch: one per sequence, or 1 + k for one that verifies k drafts
+        (worker/model_runner.py splits it into single-token rows)."""
+        return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -91,6 +102,10 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        draft_quantization = getattr(self.speculative_config, "quantization", None)
+        if draft_quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"speculative_config: quantization={draft_quantization!r} is not supported; "
+                             f"allowed: None, {', '.join(map(repr, QUANTIZATION_METHODS))}")
         self._validate_tensor_parallel()
 
     def _validate_tensor_parallel(self) -> None:
@@ -108,3 +123,6 @@ class EngineConfig:
                              "(quantization='gguf'); leave quantization unset to load them widened")
         if not self.enforce_eager:
             raise ValueError(f"tensor_parallel_size={size} does not capture CUDA graphs; keep enforce_eager=True")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            raise ValueError(f"tensor_parallel_size={size} does not run a draft model; use method 'ngram' "
+                             "or tensor_parallel_size=1")

@@ -34,6 +34,8 @@ from slipstream.layers.logits_processors import default_processors
 from slipstream.layers.sampler import Sampler
 from slipstream.outputs import RequestMetrics, RequestOutput
 from slipstream.sampling_params import SamplingParams
+from slipstream.speculative.draft_model import DraftModelProposer
+from slipstream.speculative.ngram import NgramProposer
 from slipstream.speculative.speculator import Speculator
 from slipstream.structured.bitmask import GrammarBitmask
 from slipstream.structured.grammars import GrammarCompiler
@@ -64,16 +66,15 @@ class LLMEngine:
         self.max_model_len = worker.max_model_len
         num_blocks = self.kv_cache.num_blocks - (0 if config.enforce_eager else 1)  # the last: CUDA graphs' scratch
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        spec = config.speculative_config
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = self._speculator(config, loaded) if config.speculative_config is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.speculator)
         eos = self.model_config.eos_token_ids
         vocab = self.model_config.vocab_size
         sampler = Sampler([GrammarBitmask(vocab)] + default_processors(eos))
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.backend, sampler,
-                                  config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
-                                  self.parallel.channel)
+                                  config.max_num_batched_tokens, config.max_num_rows, self.max_model_len,
+                                  self.parallel.channel, 1 + config.num_speculative_tokens)
         if not config.enforce_eager:
             self.runner.graphs = self.backend.decode_graphs(loaded.model, self.kv_cache, config.max_num_seqs,
                                                             self.max_model_len)
@@ -96,6 +97,13 @@ class LLMEngine:
                     self.kv_cache.num_blocks * config.block_size, self.kv_cache.bytes_per_token)
         for line in [*self.backend.describe(), self.parallel.describe(self.device)]:
             logger.info("%s", line)
+
+    def _speculator(self, config: EngineConfig, loaded) -> Speculator:
+        spec = config.speculative_config
+        if spec.method == "ngram":
+            return Speculator(spec, NgramProposer(spec), self.max_model_len)
+        draft = DraftModelProposer(spec, config, loaded, self.kv_cache.num_blocks * config.block_size)
+        return Speculator(spec, draft, min(self.max_model_len, draft.max_model_len))
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do with one); the engine takes no steps after it."""
@@ -189,12 +197,15 @@ class LLMEngine:
         for s in scheduled.scheduled:
             metrics = self.scheduler.sequences[s.seq_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        start = time.perf_counter()
         try:
             result = self.runner.execute(scheduled)
         except RuntimeError as e:
             if self.parallel.size == 1:
                 raise
             raise self.parallel.failure(e) from e
+        if self.speculator is not None:
+            self.speculator.observe(time.perf_counter() - start)
         progressed = self._update(scheduled, result)
         self._maybe_log_stats()
         return failed + [self._request_output(r) for r in progressed]

@@ -138,6 +138,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.speculator is not None:
+            self.speculator.finish(seq)
         seq.status = SequenceStatus.FINISHED
         del self.sequences[seq.seq_id]
         if self._blocks_sent.pop(seq.seq_id, None) is not None:

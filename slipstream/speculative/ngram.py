@@ -8,14 +8,31 @@ from __future__ import annotations
 
 import numpy as np
 
+from slipstream.engine.sequence import Sequence
 from slipstream.speculative.config import SpeculativeConfig
 
 
-class NgramProposer:
+class StatelessProposer:
+    """A proposer that reads each sequence's token ids alone (`lookup`), keeps nothing between
+    steps and costs nothing next to a step."""
+
+    step_cost = 0.0
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [self.lookup(seq.token_ids, k) for seq, k in zip(seqs, ks)]
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def finish(self, seq: Sequence) -> None:
+        pass
+
+
+class NgramProposer(StatelessProposer):
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k draft tokens to follow `token_ids` (none where no suffix occurred before)."""
         tokens = np.asarray(token_ids)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):

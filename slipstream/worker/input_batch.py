@@ -2,7 +2,7 @@
 keeps of each sequence between steps.
 
 The buffers (vLLM's names) are allocated once for the largest step the scheduler can send
-(max_num_batched_tokens tokens, max_num_seqs rows) and refilled in place every step, so
+(max_num_batched_tokens tokens, EngineConfig.max_num_rows rows) and refilled in place every step, so
 their addresses never change, as a captured CUDA graph needs: input_ids, positions and
 slot_mapping [tokens]; query_start_loc [rows + 1]; seq_lens [rows]; block_table, the first
 rows * W entries viewed as [rows, W] for the W blocks the step's longest row uses. Rows with
@@ -48,20 +48,20 @@ Row = tuple[CachedSequence, int, int]
 
 class InputBatch:
     @classmethod
-    def for_cache(cls, max_num_tokens: int, max_num_seqs: int, max_model_len: int, kv_cache: KVCache,
+    def for_cache(cls, max_num_tokens: int, max_num_rows: int, max_model_len: int, kv_cache: KVCache,
                   device: torch.device) -> "InputBatch":
         """Sized for the largest step: a row's block table spans at most max_model_len or the whole cache."""
         max_blocks = min(kv_cache.num_blocks, -(-max_model_len // kv_cache.block_size))
-        return cls(max_num_tokens, max_num_seqs, max_blocks, kv_cache.block_size, device)
+        return cls(max_num_tokens, max_num_rows, max_blocks, kv_cache.block_size, device)
 
-    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+    def __init__(self, max_num_tokens: int, max_num_rows: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device):
         self.block_size = block_size
         self.device = device
         self.host = {name: torch.zeros(size, dtype=torch.int64) for name, size in (
             ("input_ids", max_num_tokens), ("positions", max_num_tokens), ("slot_mapping", max_num_tokens),
-            ("query_start_loc", max_num_seqs + 1), ("seq_lens", max_num_seqs),
-            ("block_table", max_num_seqs * max_blocks_per_seq))}
+            ("query_start_loc", max_num_rows + 1), ("seq_lens", max_num_rows),
+            ("block_table", max_num_rows * max_blocks_per_seq))}
         self.np = {name: t.numpy() for name, t in self.host.items()}
         self.buffers = self.host if device.type == "cpu" else {n: t.to(device) for n, t in self.host.items()}
 

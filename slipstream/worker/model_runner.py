@@ -7,7 +7,8 @@ accepts each token as it is appended). Rows with one new token are laid out firs
 Logits are computed only for rows that sample (the last token of a row that reaches its
 sequence's last known token, and each position that verifies a draft token) and for prompt
 positions whose logprob was asked for. A speculating row carries its last token and k
-drafts; it yields the drafts accepted and one token more (the correction or the bonus).
+drafts, run as 1 + k single-token rows; it yields the drafts accepted and one token more (the
+correction or the bonus).
 Under tensor parallelism the runner is rank 0's: it sends each prepared step down a
 `StepChannel` before running its own shard of the forward, and samples alone.
 """
@@ -41,11 +42,13 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, backend: Backend, sampler: Sampler,
-                 max_num_tokens: int, max_num_seqs: int, max_model_len: int, channel: StepChannel | None = None):
+                 max_num_tokens: int, max_num_rows: int, max_model_len: int, channel: StepChannel | None = None,
+                 split_tokens: int = 1):
         self.model = model
         self.sampler = sampler
         self.sequences: dict[int, CachedSequence] = {}
-        self.input_batch = InputBatch.for_cache(max_num_tokens, max_num_seqs, max_model_len, kv_cache, backend.device)
+        self.input_batch = InputBatch.for_cache(max_num_tokens, max_num_rows, max_model_len, kv_cache, backend.device)
+        self.split_tokens = split_tokens  # 1 + k with speculative decoding: see _split
         self.channel = channel
         if channel is None:  # the fused stack runs every layer in one call: no place for the all-reduces
             model.use_decode_stack(backend.decode_stack(model))
@@ -83,8 +86,17 @@ class ModelRunner:
                 seq.block_ids += s.new_block_ids
             seq.token_ids += s.spec_token_ids  # verified this step, then replaced by what is accepted
             seq.num_drafts = len(s.spec_token_ids)
-            rows.append((seq, s.num_computed_tokens, s.num_new_tokens))
+            rows += self._split(seq, s.num_computed_tokens, s.num_new_tokens)
         return sorted(rows, key=lambda row: row[2] != 1)  # stable: decode rows first, in scheduler order
+
+    def _split(self, seq: CachedSequence, done: int, n: int) -> list[Row]:
+        """A cached sequence's few new tokens (a verification's 1 + k) as single-token rows: each
+        attends to the cache up to itself, as a decode step would (every layer writes the
+        step's K/V before its attention reads), so the decode kernels and the fused decode
+        stack serve the step; the tokens keep their order, and so do the hidden rows."""
+        if done == 0 or not 1 < n <= self.split_tokens:
+            return [(seq, done, n)]
+        return [(seq, done + j, 1) for j in range(n)]
 
     def _postprocess(self, plan: list[LogitRow], logits: torch.Tensor) -> RunnerOutput:
         out = RunnerOutput()

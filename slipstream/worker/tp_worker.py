@@ -19,7 +19,7 @@ class TensorParallelWorker:
     def __init__(self, config: EngineConfig, channel: StepChannel):
         worker = build_worker(config)
         self.model, self.kv_cache = worker.loaded.model, worker.kv_cache
-        self.batch = InputBatch.for_cache(config.max_num_batched_tokens, config.max_num_seqs, worker.max_model_len,
+        self.batch = InputBatch.for_cache(config.max_num_batched_tokens, config.max_num_rows, worker.max_model_len,
                                           self.kv_cache, worker.device)
         self.channel = channel
 

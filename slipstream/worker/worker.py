@@ -31,22 +31,26 @@ class Worker:
     max_model_len: int  # the config's, capped at the model's positions
 
 
-def build_worker(config: EngineConfig) -> Worker:
+def build_worker(config: EngineConfig, kv_cache_tokens: int | None = None) -> Worker:
+    """kv_cache_tokens: a cache of that many tokens in place of kv_cache_memory (a draft model's)."""
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     backend = select_backend(device, config.deterministic)
     loaded = load_model(config.model, dtype, backend, config.quantization)
-    kv_cache = _allocate_kv_cache(config, loaded, backend, dtype)
+    kv_cache = _allocate_kv_cache(config, loaded, backend, dtype, kv_cache_tokens)
     backend.bind_attention(loaded.model.attention_layers(), kv_cache.layers)
     positions = loaded.config.max_position_embeddings
     return Worker(device, dtype, backend, loaded, kv_cache, min(config.max_model_len or positions, positions))
 
 
-def _allocate_kv_cache(c: EngineConfig, loaded: LoadedModel, backend: Backend, dtype: torch.dtype) -> KVCache:
+def _allocate_kv_cache(c: EngineConfig, loaded: LoadedModel, backend: Backend, dtype: torch.dtype,
+                       tokens: int | None) -> KVCache:
     kv_dtype = parse_kv_cache_dtype(c.kv_cache_dtype, dtype)
     shapes = [(attn.num_kv_heads, attn.head_dim) for attn in loaded.model.attention_layers()]
     memory = c.kv_cache_memory
+    if tokens is not None:
+        memory = tokens * KVCache.bytes_per_token_of(shapes, kv_dtype, dtype, c.kv_cache_dense_layers)
     if c.gpu_memory_utilization is not None:
         longest = min(c.max_num_batched_tokens, c.max_model_len or loaded.config.max_position_embeddings)
         memory = backend.kv_cache_memory(loaded.model, c.gpu_memory_utilization, longest, c.max_num_seqs,

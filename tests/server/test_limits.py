@@ -1,16 +1,14 @@
 """Bounded work per request: body size (413), prompt length, prompts, stop strings (400 naming the limit).
 
-A huge request is refused before the work it would cost is done, so a small request sent
-at the same time is not slowed: its latency is compared with its own idle latency in the
-same test (a ratio, never a wall time), as is the server's memory.
+A huge request is refused before the work it would cost is done: a small request sent at the
+same time completes, and the server's memory stays near its idle size. How long the small
+request takes beside it is a time, measured by benchmarks/server_limits.py.
 """
 from __future__ import annotations
 
 import json
 import socket
-import statistics
 import threading
-import time
 from urllib.parse import urlsplit
 
 import openai
@@ -180,11 +178,10 @@ def send_huge(server, kind: str) -> int:
         return c.post("/v1/completions", content=HUGE[kind], headers=HEADERS).status_code
 
 
-def small_latency(client) -> float:
-    """Seconds for a small request the size of a real one's work (64 tokens)."""
-    start = time.perf_counter()
-    client.completions.create(model="tiny-chat", prompt="hello", max_tokens=64, extra_body={"ignore_eos": True})
-    return time.perf_counter() - start
+def small_request(client) -> int:
+    """Output tokens of a small request the size of a real one's work (64 tokens)."""
+    out = client.completions.create(model="tiny-chat", prompt="hello", max_tokens=64, extra_body={"ignore_eos": True})
+    return out.usage.completion_tokens
 
 
 def rss_bytes(pid: int) -> int:
@@ -194,17 +191,17 @@ def rss_bytes(pid: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,status", [("body", 413), ("prompt", 400), ("stop", 400)])
-def test_huge_request_is_refused_without_slowing_a_concurrent_small_one(tiny_chat_server, kind, status):
+def test_huge_request_is_refused_while_a_concurrent_small_one_completes(tiny_chat_server, kind, status):
+    """The small request's latency beside each huge one is benchmarks/server_limits.py's (a time)."""
     client = openai.OpenAI(base_url=f"{tiny_chat_server.url}/v1", api_key="unused", max_retries=0)
-    small_latency(client)  # warm
-    idle = statistics.median(small_latency(client) for _ in range(3))
+    small_request(client)  # warm
     idle_rss = rss_bytes(tiny_chat_server.process.pid)
-    busy, statuses = [], []
+    completed, statuses = [], []
     for _ in range(3):
         huge = threading.Thread(target=lambda: statuses.append(send_huge(tiny_chat_server, kind)))
         huge.start()
-        busy.append(small_latency(client))
+        completed.append(small_request(client))
         huge.join()
     assert statuses == [status] * 3
-    assert statistics.median(busy) < 2 * idle, f"small request: {busy} s with a huge {kind} request, {idle} s idle"
+    assert completed == [64] * 3
     assert rss_bytes(tiny_chat_server.process.pid) < 1.2 * idle_rss

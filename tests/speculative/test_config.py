@@ -21,7 +21,7 @@ def test_vllm_names_and_defaults():
 @pytest.mark.parametrize("value, message", [
     ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2},
      "unknown key(s) ['lookahead']; allowed: ['method', 'num_speculative_tokens'"),
-    ({"method": "eagle", "num_speculative_tokens": 3}, "method='eagle' is not supported; allowed: ['ngram']"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "method='eagle' is not supported; allowed: ['ngram', 'draft_model']"),
     ({"method": "ngram"}, "num_speculative_tokens=None must be a positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 must be a positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens=99 is above 16"),

@@ -12,6 +12,7 @@ import pytest
 
 from slipstream import LLM, SamplingParams
 from slipstream.speculative import speculator
+from slipstream.speculative.ngram import StatelessProposer
 from tests.conftest import TINY_VOCAB, random_prompts
 from tests.engine.test_block_accounting import check_invariants
 
@@ -20,14 +21,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # K+V, 2 layers, 2 KV heads, dim 16, fp32, block_size 4
 
 
-class Oracle:
+class Oracle(StatelessProposer):
     """Proposes the continuation of the first reference the sequence follows, one draft in three
     with one token wrong; nothing where it follows none."""
 
     def __init__(self, prompts: list[list[int]], outputs: list[list[int]]):
         self.references = [p + o for p, o in zip(prompts, outputs)]
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
         n = len(token_ids)
         full = next((f for f in self.references if f[:n] == token_ids), [])
         drafts = full[n:n + k]
@@ -159,3 +160,25 @@ def test_logprobs_of_accepted_tokens_equal_the_non_speculative_run(tiny_llama, p
             for token, entry in mine.items():
                 assert abs(entry.logprob - theirs[token].logprob) < 1e-4 and entry.rank == theirs[token].rank
         assert ours.outputs[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-3)
+
+
+def test_verifying_rows_run_as_decode_rows(tiny_llama, prompts):
+    """A sequence's last token and its drafts reach the model as single-token rows over the same
+    block table, one context longer each: the step is all decodes (the fused stack's kind)."""
+    reference = _reference(tiny_llama, prompts, GREEDY, **SMALL)
+    llm = _speculative(tiny_llama, prompts, True, reference, **SMALL)
+    batch, steps = llm.engine.runner.input_batch, []
+    prepare = batch.prepare
+
+    def recorded(rows):
+        input_ids, positions, meta = prepare(rows)
+        steps.append((meta.num_decodes, list(meta.context_lens), meta.block_table.tolist(), positions.tolist()))
+        return input_ids, positions, meta
+
+    batch.prepare = recorded
+    assert generate(llm, prompts, GREEDY) == reference
+    verifying = [s for s in steps if len(s[1]) > len({tuple(t) for t in s[2]})]  # rows sharing a table
+    all_decode = [s for s in verifying if s[0] == len(s[1])]  # the others also carry a prefill chunk
+    assert len(verifying) >= 5 and all_decode
+    for _, lens, _, positions in all_decode:
+        assert positions == [n - 1 for n in lens]

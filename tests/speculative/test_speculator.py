@@ -3,21 +3,24 @@ totals in llm.stats(); drafts pause after low recent acceptance, a step speculat
 it expects to gain, never past VERIFY_COST's batch sizes, and never under a grammar."""
 from __future__ import annotations
 
+import time
+
 from slipstream import LLM, SamplingParams
 from slipstream.speculative import speculator
+from slipstream.speculative.ngram import StatelessProposer
 from tests.speculative.test_speculative_engine import FREE, NGRAM, SMALL, Oracle
 
 PARAMS = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 
-class Always:
+class Always(StatelessProposer):
     """Proposes k copies of one token (a wrong one where the model does not produce it)."""
 
     def __init__(self, token: int):
         self.token = token
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
         return [self.token] * k
 
 
@@ -46,9 +49,10 @@ def test_low_acceptance_pauses_drafts_for_a_while(tiny_llama):
     wrong = next(t for t in range(3, 384) if t not in reference.outputs[0].token_ids)
     _, (rejected,) = _run(tiny_llama, Always(wrong))
     assert rejected.metrics.num_accepted_tokens == 0
-    # two rejected verifications (k=4: the mean goes 4 -> 2 -> 1) and a verification no longer pays
-    # even alone: PAUSE_TOKENS tokens without, then two more
-    assert 2 <= rejected.metrics.num_drafts <= 2 * (1 + 60 // speculator.PAUSE_TOKENS)
+    # rejected verifications halve the mean (k=4: 4 -> 2 -> 1 -> 0.5) until a verification no longer
+    # pays even alone: PAUSE_TOKENS tokens without, then as many more
+    per_pause = next(n for n in range(1, 9) if 1 + 4 / 2**n <= speculator.VERIFY_COST[0][1])
+    assert per_pause <= rejected.metrics.num_drafts <= per_pause * (1 + 60 // speculator.PAUSE_TOKENS)
     assert rejected.outputs[0].token_ids == reference.outputs[0].token_ids
 
 
@@ -91,3 +95,24 @@ def test_grammar_requests_do_not_speculate(tiny_with_tokenizer, monkeypatch):
     constrained, plain = llm.generate([[5, 6, 7], [8, 9, 10]], [choice, free], use_tqdm=False)
     assert constrained.outputs[0].text in ("yes", "no") and constrained.metrics.num_drafts == 0
     assert plain.metrics.num_drafts > 0
+
+
+class Slow(Oracle):
+    """The reference continuation (one draft in three wrong), at 20 ms a proposal."""
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        time.sleep(0.02)
+        return super().lookup(token_ids, k)
+
+
+def test_a_proposal_that_costs_more_than_it_saves_is_measured_and_turned_off(tiny_llama):
+    """The tiny model's step takes about a millisecond: 20 ms proposals cannot pay, whatever
+    their acceptance, and the engine measures that (the proposer guessed them free)."""
+    reference = LLM(tiny_llama, dtype="float32", **SMALL).generate([PROMPT], PARAMS, use_tqdm=False)[0]
+    oracle = ([PROMPT], [reference.outputs[0].token_ids])
+    _, (fast,) = _run(tiny_llama, Oracle(*oracle))
+    llm, (slow,) = _run(tiny_llama, Slow(*oracle))
+    assert fast.metrics.num_drafts > 8 and fast.metrics.acceptance_rate > 0.5
+    assert slow.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert speculator.COST_SAMPLES // 2 <= slow.metrics.num_drafts <= speculator.COST_SAMPLES // 2 + 1
+    assert llm.engine.speculator._proposal_cost(1) > 4
