@@ -35,7 +35,9 @@ PAUSE_TOKENS = 32
 DECAY = 0.5  # weight of the past in a sequence's running mean of accepted drafts
 PRIOR_DECAY = 0.9  # ... and in the mean over all sequences
 COST_SAMPLES = 8  # measured proposals that price a draft (their median), from half as many
-PROBE_STEPS = 64  # steps without drafts after which a step speculates anyway, to measure again
+# steps without drafts after which a step speculates anyway, to measure again (rarely: a draft
+# model's probe may first prefill every sequence's prompt, ~0.3 s at batch 8 here)
+PROBE_STEPS = 256
 
 
 class Speculator:
