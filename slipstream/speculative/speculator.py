@@ -50,7 +50,9 @@ class Speculator:
         # VERIFY_COST's row counts -> one draft's last measured costs in decode steps, and steps without drafts
         self.draft_cost: dict[int, collections.deque] = {}
         self._idle: dict[int, int] = {}
-        self._timed: tuple[int, float, bool] | None = None  # (rows, seconds, verified) of the last proposal
+        # the last proposal's row bucket and seconds, times VERIFY_COST where its step verifies: the
+        # step's forward is then that many decode steps
+        self._timed: tuple[int, float] | None = None
 
     def propose(self, decodes: list[Sequence]) -> dict[Sequence, list[int]]:
         """Draft tokens for this step's decoding sequences, or none where the step would not pay."""
@@ -66,7 +68,7 @@ class Speculator:
         proposals = self.proposer.propose(list(ks), list(ks.values()))
         drafts = {seq: d for seq, d in zip(ks, proposals) if d}
         verifies = bool(drafts) and (probe or self._pays(drafts, cost, len(decodes)))
-        self._timed = (len(decodes), time.perf_counter() - start, verifies)
+        self._timed = (bucket, (time.perf_counter() - start) * (cost if verifies else 1.0))
         return drafts if verifies else {}
 
     def observe(self, step_seconds: float) -> None:
@@ -74,9 +76,9 @@ class Speculator:
         one draft's cost, in decode steps at that many rows, follows."""
         if self._timed is None:
             return
-        (rows, seconds, verified), self._timed = self._timed, None
-        samples = self.draft_cost.setdefault(_bucket(rows), collections.deque(maxlen=COST_SAMPLES))
-        samples.append(seconds * (verify_cost(rows) if verified else 1.0) / (step_seconds * self.k))
+        (bucket, weighted), self._timed = self._timed, None
+        samples = self.draft_cost.setdefault(bucket, collections.deque(maxlen=COST_SAMPLES))
+        samples.append(weighted / (step_seconds * self.k))
 
     def _proposal_cost(self, num_decodes: int) -> float:
         """k drafts, in decode steps: the median of the last measurements at this many rows (a

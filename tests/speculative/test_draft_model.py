@@ -18,7 +18,7 @@ from slipstream import LLM, SamplingParams
 from slipstream.config import EngineConfig
 from slipstream.speculative import speculator
 from tests.conftest import build_tiny_checkpoint, random_prompts
-from tests.speculative.test_speculative_engine import FREE, GREEDY, SETTINGS, SMALL, generate
+from tests.speculative.test_speculative_engine import FREE, GREEDY, SETTINGS, SMALL, cached_prefixes, generate
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +88,8 @@ def check_draft_blocks(llm: LLM, references: list[list[int]]) -> None:
     for block in bm.blocks:
         assert block.ref_count == owners.get(block.block_id, 0)
         assert (block.ref_count == 0) == (block.block_id in bm.free_queue)
-        if block.hash is not None:
-            chain = [block]
-            while chain[-1].parent_id is not None:
-                chain.append(bm.blocks[chain[-1].parent_id])
-            tokens = [t for b in reversed(chain) for t in b.token_ids]
-            assert any(ref[:len(tokens)] == tokens for ref in references)
+    for tokens in cached_prefixes(bm):
+        assert any(ref[:len(tokens)] == tokens for ref in references)
 
 
 def _generate_checked(llm: LLM, prompts, params, references) -> list:

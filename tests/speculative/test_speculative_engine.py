@@ -56,6 +56,18 @@ def generate(llm: LLM, prompts, params) -> list[list[int]]:
     return [(done[f"r{i}"].outputs[0].token_ids, done[f"r{i}"].outputs[0].finish_reason) for i in range(len(prompts))]
 
 
+def cached_prefixes(bm) -> list[list[int]]:
+    """For every block in the prefix cache, the tokens from its sequence's start to its end."""
+    prefixes = []
+    for block in bm.blocks:
+        if block.hash is not None:
+            chain = [block]
+            while chain[-1].parent_id is not None:
+                chain.append(bm.blocks[chain[-1].parent_id])
+            prefixes.append([t for b in reversed(chain) for t in b.token_ids])
+    return prefixes
+
+
 FREE = ((1, 0.0), (10**6, 0.0))  # verification as cheap as decoding: every step speculates, at any batch
 
 
@@ -110,14 +122,8 @@ def test_prefix_cache_hits_register_only_accepted_tokens(tiny_llama, prompts):
     reference = _reference(tiny_llama, prompts, GREEDY, **SMALL)
     llm = _speculative(tiny_llama, prompts, True, reference, **SMALL)
     generate(llm, prompts, GREEDY)
-    bm = llm.engine.block_manager
-    for block in bm.blocks:  # every cached block holds tokens of some reference sequence, at its place
-        if block.hash is not None:
-            chain = [block]
-            while chain[-1].parent_id is not None:
-                chain.append(bm.blocks[chain[-1].parent_id])
-            tokens = [t for b in reversed(chain) for t in b.token_ids]
-            assert any((p + o)[:len(tokens)] == tokens for p, (o, _) in zip(prompts, reference))
+    for tokens in cached_prefixes(llm.engine.block_manager):  # each holds a reference sequence's tokens
+        assert any((p + o)[:len(tokens)] == tokens for p, (o, _) in zip(prompts, reference))
     hits_before = llm.stats()["prefix_cache_hits"]
     follow_ups = [p + o for p, (o, _) in zip(prompts, reference)]  # a second turn reuses decode-filled blocks
     expected = _reference(tiny_llama, follow_ups, GREEDY, **SMALL)
