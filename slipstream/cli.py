@@ -21,13 +21,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="int8 / int4: weight-only; w8a8: int8 weights and activations; gguf: a GGUF file's "
                              "blocks as stored (opt-in: README, GGUF weights as stored)")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                        help="auto, bfloat16, float32, fp8, tq4, tq3.5, tq3, tq2.5, tq2 (TurboQuant; -qjl suffix: QJL keys)")
+                        help="auto, bfloat16, float32, fp8, tq4, tq3.5, tq3, tq2.5, tq2, tq-k{K}v{V} (TurboQuant; "
+                             "-qjl suffix: QJL keys; -codes suffix: no 16-bit recent/sink tokens)")
     parser.add_argument("--kv-cache-dense-layers", type=int, default=d.kv_cache_dense_layers,
                         help="TurboQuant: keep the first and last N layers in 16 bits")
     parser.add_argument("--kv-cache-recent-tokens", type=int, default=d.kv_cache_recent_tokens,
-                        help="TurboQuant: also keep the newest R tokens of each sequence in 16 bits")
+                        help="TurboQuant: also keep the newest R tokens of each sequence in 16 bits (default: the dtype's, 64)")
     parser.add_argument("--kv-cache-sink-tokens", type=int, default=d.kv_cache_sink_tokens,
-                        help="TurboQuant: also keep the first S tokens (attention sinks) of each sequence in 16 bits")
+                        help="TurboQuant: also keep the first S tokens (attention sinks) of each sequence in 16 bits "
+                             "(default: the dtype's, 4)")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)

@@ -27,8 +27,10 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_dense_layers: int = 0  # TurboQuant: first and last N layers keep a 16-bit cache
-    kv_cache_recent_tokens: int = 0  # TurboQuant: newest R tokens of each sequence also kept in 16 bits
-    kv_cache_sink_tokens: int = 0  # TurboQuant: first S tokens (attention sinks) of each sequence too
+    # TurboQuant: the newest R and the first S tokens (attention sinks) of each sequence also kept in
+    # 16 bits; None: the kv_cache_dtype name's defaults (64 and 4; none for a "-codes" name)
+    kv_cache_recent_tokens: int | None = None
+    kv_cache_sink_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory: int = 512 * 1024**2
     enable_prefix_caching: bool = True
@@ -88,9 +90,12 @@ class EngineConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         for name in ("kv_cache_dense_layers", "kv_cache_recent_tokens", "kv_cache_sink_tokens"):
-            value = getattr(self, name)
+            value, optional = getattr(self, name), name != "kv_cache_dense_layers"
+            if optional and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be a non-negative integer")
+                raise ValueError(f"{name}={value!r} must be a non-negative integer"
+                                 + (" or None (the kv_cache_dtype's default)" if optional else ""))
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer or None")
         if not (self.deterministic is None or isinstance(self.deterministic, bool)):

@@ -67,8 +67,9 @@ class LLMEngine:
         num_blocks = self.kv_cache.num_blocks - (0 if config.enforce_eager else 1)  # the last: CUDA graphs' scratch
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = self._speculator(config, loaded) if config.speculative_config is not None else None
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.speculator)
+        # a TurboQuant window sized by default serves kv_cache.window_seqs sequences at once: run no more
+        self.scheduler = Scheduler(self.block_manager, min(config.max_num_seqs, self.kv_cache.window_seqs),
+                                   config.max_num_batched_tokens, self.speculator)
         eos = self.model_config.eos_token_ids
         vocab = self.model_config.vocab_size
         sampler = Sampler([GrammarBitmask(vocab)] + default_processors(eos))
@@ -89,9 +90,10 @@ class LLMEngine:
         if self.kv_cache.needs_calibration:
             self._calibrate_kv_cache()
         self.quantization = loaded.quantization
-        logger.info("model %s (%s) on %s, %s, weights %s; KV cache %.0f MiB: %d blocks x %d tokens = %d tokens, "
-                    "%d bytes/token", config.model, self.model_config.architecture, self.device,
+        logger.info("model %s (%s) on %s, %s, weights %s; KV cache %s, %.0f MiB: %d blocks x %d "
+                    "tokens = %d tokens, %d bytes/token", config.model, self.model_config.architecture, self.device,
                     str(self.dtype).replace("torch.", ""), _weights_description(loaded.quantization),
+                    self.kv_cache.describe(),
                     self.kv_cache.num_blocks * self.kv_cache.bytes_per_token * config.block_size / 2**20,
                     self.kv_cache.num_blocks, config.block_size,
                     self.kv_cache.num_blocks * config.block_size, self.kv_cache.bytes_per_token)

@@ -66,30 +66,39 @@ class LayerKVCache:
         return rows.view(heads, -1, dim).to(dtype)
 
 
+DEFAULT_STAGING_SHARE = 8
+
+
 class KVCache:
     """All layers' caches, sized from a memory budget; layers may differ in KV heads and head size.
 
     With TurboQuant, the first and last `dense_layers` layers keep a bf16/fp32 cache, and
-    with `recent_tokens` R or `sink_tokens` S > 0 each TurboQuant layer also keeps the newest R
-    and the first S tokens of up to `max_num_seqs` sequences in 16 bits (`RecentWindow`); that
-    staging memory is taken from `memory` before the blocks are counted.
+    with `recent_tokens` R or `sink_tokens` S > 0 each TurboQuant layer also keeps the newest R and
+    the first S tokens of up to `max_num_seqs` sequences in 16 bits (`RecentWindow`); that staging
+    memory is taken from `memory` before the blocks are counted. With both None (the dtype name's
+    defaults) the staging takes at most 1/DEFAULT_STAGING_SHARE of `memory`, so a default never costs
+    most of a small budget: `window_seqs` then says how many sequences it serves at once.
     """
 
     def __init__(self, layer_shapes: list[tuple[int, int]], kv_dtype: KVCacheDtype, model_dtype: torch.dtype,
                  memory: int, block_size: int, device: torch.device, dense_layers: int = 0,
-                 recent_tokens: int = 0, max_num_seqs: int = 1, sink_tokens: int = 0):
+                 recent_tokens: int | None = None, max_num_seqs: int = 1, sink_tokens: int | None = None,
+                 key_turns: list[torch.Tensor | None] | None = None):
+        """key_turns: per layer, the radians each rotary channel pair of its keys turns over the positions
+        served (TurboQuantLayerCache's calibration), or None."""
         n = len(layer_shapes)
+        self.key_turns = key_turns or [None] * n
         self.turboquant = [kv_dtype.is_turboquant and dense_layers <= i < n - dense_layers for i in range(n)]
         self.kv_dtype = kv_dtype
         self.dense_dtype = kv_dtype.dense or model_dtype
         self.window_dtype = model_dtype if model_dtype.itemsize == 2 else torch.bfloat16
         self.bytes_per_token = self.bytes_per_token_of(layer_shapes, kv_dtype, model_dtype, dense_layers)
         self.block_size = block_size
-        self.recent_tokens = recent_tokens if kv_dtype.is_turboquant else 0
-        self.sink_tokens = sink_tokens if kv_dtype.is_turboquant else 0
-        self.num_staging = staging_blocks(self.recent_tokens, self.sink_tokens, block_size, max_num_seqs)
         staged_bytes = sum(2 * heads * dim for (heads, dim), tq in zip(layer_shapes, self.turboquant) if tq)
-        self.window_memory = self.num_staging * block_size * staged_bytes * self.window_dtype.itemsize
+        block_bytes = block_size * staged_bytes * self.window_dtype.itemsize
+        self._size_window(recent_tokens, sink_tokens, max_num_seqs,
+                          memory // DEFAULT_STAGING_SHARE // max(block_bytes, 1))
+        self.window_memory = self.num_staging * block_bytes
         self.num_blocks = (memory - self.window_memory) // (self.bytes_per_token * block_size)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={memory} bytes is too small for one block "
@@ -98,6 +107,28 @@ class KVCache:
                              f"kv_cache_sink_tokens={self.sink_tokens})")
         self.layers = [self._layer(i, heads, dim, device) for i, (heads, dim) in enumerate(layer_shapes)]
 
+    def _size_window(self, recent_tokens: int | None, sink_tokens: int | None, max_num_seqs: int,
+                     default_share: int) -> None:
+        """The 16-bit window (recent_tokens, sink_tokens, num_staging) and how many sequences it serves.
+
+        Explicit knobs get staging for max_num_seqs sequences. The dtype name's defaults get at most
+        `default_share` staging blocks, whole sequences' worth, and `window_seqs` says how many that is: the
+        engine schedules no more at once, so that every sequence it runs reads its window in 16 bits and a
+        request's output never depends on what else is running. Too little for one: codes alone."""
+        spec = self.kv_dtype
+        self.recent_tokens = spec.recent_tokens if recent_tokens is None else recent_tokens
+        self.sink_tokens = spec.sink_tokens if sink_tokens is None else sink_tokens
+        if not spec.is_turboquant:
+            self.recent_tokens = self.sink_tokens = 0
+        span = staging_blocks(self.recent_tokens, self.sink_tokens, self.block_size, 1)
+        self.window_seqs = max_num_seqs
+        if span and recent_tokens is None and sink_tokens is None:
+            self.window_seqs = min(max_num_seqs, default_share // span)
+            if not self.window_seqs:
+                self.recent_tokens = self.sink_tokens = span = 0
+                self.window_seqs = max_num_seqs
+        self.num_staging = span * self.window_seqs
+
     @staticmethod
     def bytes_per_token_of(layer_shapes: list[tuple[int, int]], kv_dtype: KVCacheDtype,
                            model_dtype: torch.dtype = torch.bfloat16, dense_layers: int = 0) -> int:
@@ -105,18 +136,31 @@ class KVCache:
         n, total = len(layer_shapes), 0
         for i, (heads, dim) in enumerate(layer_shapes):
             if kv_dtype.is_turboquant and dense_layers <= i < n - dense_layers:
-                total += TurboQuantLayerCache.bytes_per_token(heads, dim, kv_dtype.bits, kv_dtype.key_mode)
+                total += TurboQuantLayerCache.bytes_per_token(heads, dim, kv_dtype.key_bits, kv_dtype.key_mode,
+                                                              kv_dtype.value_bits)
             else:
                 total += 2 * heads * dim * (kv_dtype.dense or model_dtype).itemsize
         return total
 
     def _layer(self, index: int, heads: int, dim: int, device: torch.device):
         if self.turboquant[index]:
-            return TurboQuantLayerCache(self.num_blocks, self.block_size, heads, dim, self.kv_dtype.bits,
+            return TurboQuantLayerCache(self.num_blocks, self.block_size, heads, dim, self.kv_dtype.key_bits,
                                         self.kv_dtype.key_mode, seed=index, device=device,
                                         recent_tokens=self.recent_tokens, num_staging=self.num_staging,
-                                        dense_dtype=self.window_dtype, sink_tokens=self.sink_tokens)
+                                        dense_dtype=self.window_dtype, sink_tokens=self.sink_tokens,
+                                        value_bits=self.kv_dtype.value_bits, key_turns=self.key_turns[index])
         return LayerKVCache(self.num_blocks, self.block_size, heads, dim, self.dense_dtype, device)
+
+    def describe(self) -> str:
+        """What the dtype name means here, as the start-up line says it."""
+        spec = self.kv_dtype
+        if not spec.is_turboquant:
+            return str(self.dense_dtype).replace("torch.", "")
+        keys = f"{spec.key_bits:g}-bit keys" + (" (QJL)" if spec.key_mode == "prod" else "")
+        window = (f"newest {self.recent_tokens} and first {self.sink_tokens} tokens in 16 bits, "
+                  f"{self.window_memory / 2**20:.1f} MiB of staging for {self.window_seqs} sequences at once"
+                  if self.num_staging else "codes alone")
+        return f"{spec.name} ({keys}, {spec.value_bits:g}-bit values; {window})"
 
     @property
     def needs_calibration(self) -> bool:

@@ -21,6 +21,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         inv_freq = _scale_inv_freq(inv_freq, scaling)
+        self.inv_freq = inv_freq  # radians per position of each channel pair (i, i + head_dim / 2)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)

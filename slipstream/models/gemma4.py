@@ -98,7 +98,8 @@ class Gemma4Attention(nn.Module):
         self.rotary = rotary
         window = config.sliding_window if self.layer_type == SLIDING else None
         # KV-sharing layers own no cache: they attend through their source layer's Attention
-        self.attn = None if self.shares_kv else Attention(self.num_heads, self.num_kv_heads, self.head_dim, 1.0, window)
+        self.attn = None if self.shares_kv else Attention(self.num_heads, self.num_kv_heads, self.head_dim, 1.0, window,
+                                                           rotary.inv_freq)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, shared_kv: dict) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -295,7 +296,8 @@ def gemma_rotary(head_dim: int, max_position: int, params: dict) -> RotaryEmbedd
         rotated = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
         inv_freq = torch.zeros(head_dim // 2)
         inv_freq[:rotated] = 1.0 / theta ** (torch.arange(0, 2 * rotated, 2).float() / head_dim)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq / params.get("factor", 1.0))
+        rotary.inv_freq = inv_freq / params.get("factor", 1.0)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rotary.inv_freq)
         rotary.cos.copy_(freqs.cos())
         rotary.sin.copy_(freqs.sin())
     return rotary

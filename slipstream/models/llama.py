@@ -63,7 +63,7 @@ class LlamaAttention(nn.Module):
         self.clip_qkv = config.clip_qkv
         self.rotary = rotary
         self.attn = Attention(heads, kv_heads, self.head_dim, self.head_dim ** -0.5 if scale is None else scale,
-                              sliding_window)
+                              sliding_window, rotary.inv_freq)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -38,16 +38,20 @@ def build_worker(config: EngineConfig, kv_cache_tokens: int | None = None) -> Wo
     dtype = resolve_dtype(config.dtype, device)
     backend = select_backend(device, config.deterministic)
     loaded = load_model(config.model, dtype, backend, config.quantization)
-    kv_cache = _allocate_kv_cache(config, loaded, backend, dtype, kv_cache_tokens)
-    backend.bind_attention(loaded.model.attention_layers(), kv_cache.layers)
     positions = loaded.config.max_position_embeddings
-    return Worker(device, dtype, backend, loaded, kv_cache, min(config.max_model_len or positions, positions))
+    max_model_len = min(config.max_model_len or positions, positions)
+    kv_cache = _allocate_kv_cache(config, loaded, backend, dtype, kv_cache_tokens, max_model_len)
+    backend.bind_attention(loaded.model.attention_layers(), kv_cache.layers)
+    return Worker(device, dtype, backend, loaded, kv_cache, max_model_len)
 
 
 def _allocate_kv_cache(c: EngineConfig, loaded: LoadedModel, backend: Backend, dtype: torch.dtype,
-                       tokens: int | None) -> KVCache:
+                       tokens: int | None, max_model_len: int) -> KVCache:
     kv_dtype = parse_kv_cache_dtype(c.kv_cache_dtype, dtype)
-    shapes = [(attn.num_kv_heads, attn.head_dim) for attn in loaded.model.attention_layers()]
+    layers = loaded.model.attention_layers()
+    shapes = [(attn.num_kv_heads, attn.head_dim) for attn in layers]
+    # how far each layer's keys turn over the positions served (TurboQuant calibration: turboquant_cache.py)
+    turns = [None if attn.key_rotation is None else attn.key_rotation * max_model_len for attn in layers]
     memory = c.kv_cache_memory
     if tokens is not None:
         memory = tokens * KVCache.bytes_per_token_of(shapes, kv_dtype, dtype, c.kv_cache_dense_layers)
@@ -57,6 +61,6 @@ def _allocate_kv_cache(c: EngineConfig, loaded: LoadedModel, backend: Backend, d
                                          c.block_size, dtype)
     heads = sum(h for h, _ in shapes)  # tensor parallel: a rank with fewer KV heads needs less for the same blocks
     cache = KVCache(shapes, kv_dtype, dtype, memory * heads // agree(heads, "max"), c.block_size, backend.device,
-                    c.kv_cache_dense_layers, c.kv_cache_recent_tokens, c.max_num_seqs, c.kv_cache_sink_tokens)
+                    c.kv_cache_dense_layers, c.kv_cache_recent_tokens, c.max_num_seqs, c.kv_cache_sink_tokens, turns)
     cache.num_blocks = agree(cache.num_blocks, "min")  # every rank's block table indexes the same blocks
     return cache

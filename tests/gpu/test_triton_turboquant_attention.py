@@ -19,7 +19,7 @@ from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 from tests.gpu.steps import DEVICE, kernels, shuffled_tables, step_over
 
 TOL = 2e-5
-DTYPES = ["tq4", "tq3.5", "tq3", "tq2.5", "tq2", "tq3-qjl", "tq2.5-qjl"]
+DTYPES = ["tq4", "tq3.5", "tq3", "tq2.5", "tq2", "tq3-qjl", "tq2.5-qjl", "tq-k3v3", "tq-k3.5v3.5", "tq-k3v2.5-qjl"]
 HISTORY = [(36, 36), (8, 8), (20, 20)]  # prompts that fill the cache (and the staging) first
 STEP = [(1, 37), (1, 9), (6, 26), (5, 5)]  # decodes, a chunk over its cached prefix, a fresh prompt
 
@@ -27,10 +27,10 @@ STEP = [(1, 37), (1, 9), (6, 26), (5, 5)]  # decodes, a chunk over its cached pr
 def build_cache(kv_dtype, num_heads, kv_heads, dim, block_size, num_blocks, recent=0, sinks=0,
                 num_staging=None, window_dtype=torch.bfloat16) -> TurboQuantLayerCache:
     spec = parse_kv_cache_dtype(kv_dtype, torch.float32)
-    cache = TurboQuantLayerCache(num_blocks, block_size, kv_heads, dim, spec.bits, spec.key_mode, seed=3,
+    cache = TurboQuantLayerCache(num_blocks, block_size, kv_heads, dim, spec.key_bits, spec.key_mode, seed=3,
                                  device=DEVICE, recent_tokens=recent, sink_tokens=sinks,
                                  num_staging=(num_blocks if num_staging is None else num_staging) if recent or sinks else 0,
-                                 dense_dtype=window_dtype)
+                                 dense_dtype=window_dtype, value_bits=spec.value_bits)
     g = torch.Generator().manual_seed(1)
     channels = torch.linspace(0.2, 5.0, dim)  # uneven channel RMS: the key scale and outlier channels matter
     cache.calibrate(*(x.to(DEVICE) for x in (torch.randn(256, num_heads, dim, generator=g),

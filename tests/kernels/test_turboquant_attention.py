@@ -7,6 +7,8 @@ up to one fp16 ulp in a stored norm.
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from slipstream.attention import reference, turboquant
 from slipstream.backends.cpu.attention import turboquant_decode
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
-from slipstream.kvcache.dtype import parse_kv_cache_dtype
+from slipstream.kvcache.dtype import TQ_BITS, parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache, _native_write
 from tests.conftest import step_metadata
 from tests.kernels.test_paged_attention import shuffled_block_tables
@@ -28,9 +30,10 @@ TOL = 1e-5
 def _cache(kv_dtype: str, kv_heads: int, num_heads: int, num_blocks: int, block_size: int = 16,
            recent: int = 0, sinks: int = 0, dense_dtype: torch.dtype = torch.float32, dim: int = 64) -> TurboQuantLayerCache:
     spec = parse_kv_cache_dtype(kv_dtype, torch.float32)
-    cache = TurboQuantLayerCache(num_blocks, block_size, kv_heads, dim, spec.bits, spec.key_mode, seed=3,
-                                 device=torch.device("cpu"), recent_tokens=recent, num_staging=num_blocks if recent or sinks else 0,
-                                 dense_dtype=dense_dtype, sink_tokens=sinks)
+    cache = TurboQuantLayerCache(num_blocks, block_size, kv_heads, dim, spec.key_bits, spec.key_mode, seed=3,
+                                 device=torch.device("cpu"), recent_tokens=recent,
+                                 num_staging=num_blocks if recent or sinks else 0, dense_dtype=dense_dtype,
+                                 sink_tokens=sinks, value_bits=spec.value_bits)
     g = torch.Generator().manual_seed(1)
     channels = torch.linspace(0.2, 5.0, dim)  # uneven channel RMS: a key scale and outlier channels that matter
     cache.calibrate(torch.randn(256, num_heads, dim, generator=g), torch.randn(256, kv_heads, dim, generator=g) * channels + 1,
@@ -73,6 +76,17 @@ def test_kernel_equals_torch_code_path_and_dequantize_then_attend(isa, kv_dtype,
     ours = _kernel_decode(q, cache, meta, window)
     assert (ours - _torch_decode(q, cache, meta, window)).abs().max() < TOL
     assert (ours - reference.decode(q, cache, meta, 0.125, window)).abs().max() < TOL
+
+
+def test_kernel_on_every_key_value_split(isa):
+    """Keys and values at their own widths (tq-k{K}v{V}, QJL keys too): the kernel reads each side's row
+    layout, so every split offered must agree with the torch code path."""
+    for key_bits, value_bits in itertools.product(TQ_BITS.values(), repeat=2):
+        for suffix in ("", "-qjl"):
+            kv_dtype = f"tq-k{key_bits:g}v{value_bits:g}{suffix}"
+            q, cache, meta = _decode_step(kv_dtype, [1, 40, 77], 6, 2)
+            diff = (_kernel_decode(q, cache, meta, None) - _torch_decode(q, cache, meta, None)).abs().max()
+            assert diff < TOL, (kv_dtype, diff)
 
 
 @pytest.mark.parametrize("kv_dtype", ["tq3", "tq2.5", "tq4-qjl"])

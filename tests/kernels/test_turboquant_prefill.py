@@ -9,6 +9,8 @@ at these sizes the torch code path itself is up to 1e-5 from it (9.8e-6 measured
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from slipstream.attention.metadata import PrefillChunk
 from slipstream.backends.cpu.attention import _turboquant, turboquant_decode, turboquant_prefill
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
+from slipstream.kvcache.dtype import TQ_BITS
 from tests.conftest import step_metadata
 from tests.kernels.test_paged_attention import shuffled_block_tables
 from tests.kernels.test_turboquant_attention import DTYPES, TOL, _cache
@@ -48,6 +51,18 @@ def test_chunk_equals_the_torch_code_path(isa, kv_dtype, num_heads, kv_heads, wi
     q, k, v = torch.randn(37, num_heads, 64), torch.randn(37, kv_heads, 64), torch.randn(37, kv_heads, 64)
     ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill)
     assert (ours - turboquant._prefill(q, k, v, cache, chunk, 0.125, window)).abs().max() < TOL
+
+
+def test_chunk_on_every_key_value_split(isa):
+    for key_bits, value_bits in itertools.product(TQ_BITS.values(), repeat=2):
+        for suffix in ("", "-qjl"):
+            kv_dtype = f"tq-k{key_bits:g}v{value_bits:g}{suffix}"
+            cache, tables = _filled(kv_dtype, [90], 6, 2)
+            chunk = _chunks([37], [90], tables)[0]
+            q, k, v = torch.randn(37, 6, 64), torch.randn(37, 2, 64), torch.randn(37, 2, 64)
+            ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, None, turboquant_prefill)
+            diff = (ours - turboquant._prefill(q, k, v, cache, chunk, 0.125, None)).abs().max()
+            assert diff < TOL, (kv_dtype, diff)
 
 
 @pytest.mark.parametrize("kv_dtype", ["tq3", "tq2.5", "tq4-qjl"])

@@ -17,7 +17,8 @@ SMOLLM2_SHAPES = [(3, 64)] * 30  # 30 layers, 3 KV heads of dim 64
 
 def _cache(kv_dtype: str, block_size: int = 4) -> TurboQuantLayerCache:
     spec = parse_kv_cache_dtype(kv_dtype, torch.float32)
-    return TurboQuantLayerCache(16, block_size, 2, 64, spec.bits, spec.key_mode, seed=3, device=torch.device("cpu"))
+    return TurboQuantLayerCache(16, block_size, 2, 64, spec.key_bits, spec.key_mode, seed=3, device=torch.device("cpu"),
+                                value_bits=spec.value_bits)
 
 
 def _step(num_heads: int = 6):
@@ -115,7 +116,7 @@ def test_key_scale_follows_key_and_query_channel_power():
 def test_calibration_over_several_steps_equals_one_calibration_on_all_of_them():
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(30, 6, 64, generator=g), torch.randn(30, 2, 64, generator=g) * 2, torch.randn(30, 2, 64, generator=g)
-    stepwise, at_once = _cache("tq3.5"), _cache("tq3.5")
+    stepwise, at_once = _cache("tq-k3.5v3.5"), _cache("tq-k3.5v3.5")
     for rows in (slice(0, 8), slice(8, 9), slice(9, 30)):
         keys, _ = stepwise.observe(q[rows], k[rows], v[rows])
     assert torch.equal(keys, k.transpose(0, 1)) and not stepwise.calibrated

@@ -99,7 +99,7 @@ SETTINGS = {
     "mixed-batch": SMALL,
     "chunked-prefill": {**SMALL, "max_num_batched_tokens": 7},
     "preemption": {**SMALL, "kv_cache_memory": 24 * BLOCK_BYTES, "max_num_batched_tokens": 64},
-    "tq3-cache": {**SMALL, "kv_cache_dtype": "tq3"},
+    "tq3-cache": {**SMALL, "kv_cache_dtype": "tq3-codes"},
     "tq3-recent-window": {**SMALL, "kv_cache_dtype": "tq3", "kv_cache_recent_tokens": 8, "kv_cache_sink_tokens": 3},
 }
 
