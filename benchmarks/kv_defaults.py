@@ -29,13 +29,13 @@ import torch
 
 from kv_quality import SHAPES, next_token_logprobs
 from slipstream import LLM
-from slipstream.kvcache.cache import KVCache
 from slipstream.engine import engine
+from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 CALIBRATION = 1024
-ROWS = ["tq4", "tq4-codes", "tq3", "tq3-codes", "tq-k4v2", "tq-k4v2-codes", "tq2.5", "tq2.5-codes", "tq-k3v2"]
+ROWS = ["tq4", "tq3.5", "tq3", "tq-k3v3", "tq2.5", "tq-k3v2", "tq4-codes", "tq3-codes"]  # the README's table
 CHUNK, TAIL = 64, 1024
 
 
