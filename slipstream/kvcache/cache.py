@@ -87,7 +87,6 @@ class KVCache:
         """key_turns: per layer, the radians each rotary channel pair of its keys turns over the positions
         served (TurboQuantLayerCache's calibration), or None."""
         n = len(layer_shapes)
-        self.key_turns = key_turns or [None] * n
         self.turboquant = [kv_dtype.is_turboquant and dense_layers <= i < n - dense_layers for i in range(n)]
         self.kv_dtype = kv_dtype
         self.dense_dtype = kv_dtype.dense or model_dtype
@@ -105,7 +104,8 @@ class KVCache:
                              f"({self.bytes_per_token * block_size} bytes) after {self.window_memory} bytes "
                              f"of 16-bit staging (kv_cache_recent_tokens={self.recent_tokens}, "
                              f"kv_cache_sink_tokens={self.sink_tokens})")
-        self.layers = [self._layer(i, heads, dim, device) for i, (heads, dim) in enumerate(layer_shapes)]
+        turns = key_turns or [None] * n
+        self.layers = [self._layer(i, heads, dim, device, turns[i]) for i, (heads, dim) in enumerate(layer_shapes)]
 
     def _size_window(self, recent_tokens: int | None, sink_tokens: int | None, max_num_seqs: int,
                      default_share: int) -> None:
@@ -142,13 +142,13 @@ class KVCache:
                 total += 2 * heads * dim * (kv_dtype.dense or model_dtype).itemsize
         return total
 
-    def _layer(self, index: int, heads: int, dim: int, device: torch.device):
+    def _layer(self, index: int, heads: int, dim: int, device: torch.device, key_turns: torch.Tensor | None):
         if self.turboquant[index]:
             return TurboQuantLayerCache(self.num_blocks, self.block_size, heads, dim, self.kv_dtype.key_bits,
                                         self.kv_dtype.key_mode, seed=index, device=device,
                                         recent_tokens=self.recent_tokens, num_staging=self.num_staging,
                                         dense_dtype=self.window_dtype, sink_tokens=self.sink_tokens,
-                                        value_bits=self.kv_dtype.value_bits, key_turns=self.key_turns[index])
+                                        value_bits=self.kv_dtype.value_bits, key_turns=key_turns)
         return LayerKVCache(self.num_blocks, self.block_size, heads, dim, self.dense_dtype, device)
 
     def describe(self) -> str:

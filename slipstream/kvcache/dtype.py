@@ -23,7 +23,8 @@ TQ_BITS = {"tq4": 4, "tq3.5": 3.5, "tq3": 3, "tq2.5": 2.5, "tq2": 2}
 # (key bits, value bits) of each name: keys carry most of the loss, so where the bytes allow they get more
 PRESETS = {"tq4": (4, 4), "tq3.5": (4, 3), "tq3": (4, 2), "tq2.5": (2.5, 2.5), "tq2": (2, 2)}
 RECENT_TOKENS, SINK_TOKENS = 64, 4
-ALLOWED = ["auto", *DENSE, *TQ_BITS, "tq-k{K}v{V} (K, V in 4, 3.5, 3, 2.5, 2)", "each tq name + '-qjl' and/or '-codes'"]
+ALLOWED = ["auto", *DENSE, *TQ_BITS, f"tq-k{{K}}v{{V}} (K, V in {', '.join(f'{b:g}' for b in TQ_BITS.values())})",
+           "each tq name + '-qjl' and/or '-codes'"]
 _SPLIT = re.compile(r"tq-k([0-9.]+)v([0-9.]+)")
 
 
