@@ -24,6 +24,8 @@ class PrefillChunk:
     length: int
     context_len: int          # tokens with K/V after this step (cached prefix + chunk)
     block_table: torch.Tensor  # [num_blocks] long, on the device
+    # per-step values (masks) every layer would otherwise recompute, keyed by what they depend on
+    memo: dict = field(default_factory=dict, repr=False)
 
 
 @dataclass

@@ -9,6 +9,8 @@ sequence's own blocks' packed codes, no gather or padding: backends/cpu/attentio
 otherwise the same math runs in torch (`TurboQuantizer.scores` / `weighted_sum`), which
 kernels are tested against. A prefill chunk with no cached prefix attends to its own fresh
 K/V (as every engine does); every other query reads the codes, its chunk's own tokens too.
+Long chunks may instead take `expanded_prefill`: the context's codes expanded once into code
+space, then one fused SDPA, which turns the per-query reading of codes into GEMMs.
 
 With R recent and S sink tokens (kvcache/recent_window.py), a query at position p reads every
 token t <= p with t > p - R or t < S in 16 bits instead: the step's own tokens from the fresh
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
@@ -118,26 +121,81 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuan
     out = None if kernel is None else kernel(q.view(n, num_kv, group, dim), k, v, cache, chunk, scale, window)
     if out is not None:
         return out.view(n, num_heads, dim).to(q.dtype)
-    length = chunk.context_len
     keys, values = cache.codes_by_head(chunk.block_table)
-    keys, values = keys[:, :length], values[:, :length]  # [Hk, L, nb]
+    keys, values = keys[:, :chunk.context_len], values[:, :chunk.context_len]  # [Hk, L, nb]
     qg = q.view(n, num_kv, group, dim).permute(1, 2, 0, 3).reshape(num_kv, -1, dim)  # [Hk, G*n, D]
-    mask = reference.causal_mask(n, length, window, q.device)  # [n, L]
-    dense = None
-    if cache.window is not None:
-        recent, start = cache.window, length - n
-        pos = torch.arange(length, device=q.device)
-        qpos = pos[start:, None]  # [n, 1]
-        readable = recent.exists(chunk.block_table)[:length] | (pos >= start)
-        mask = mask & ~(readable & _near(pos, qpos, recent, None))
-        staged_k, staged_v, staged_pos, exists = _staged_prefill_window(recent, chunk)  # [Ls, ...]
-        staged_mask = exists & _near(staged_pos, qpos, recent, window)
-        dense_k = torch.cat([staged_k, k.to(staged_k.dtype)]).transpose(0, 1)  # [Hk, Ls+n, D]
-        dense_v = torch.cat([staged_v, v.to(staged_v.dtype)]).transpose(0, 1)
-        dense_mask = torch.cat([staged_mask, _near(pos[start:], qpos, recent, window)], 1)
-        dense = (dense_k, dense_v, dense_mask.repeat(group, 1))
+    mask, dense = _prefill_reads(k, v, cache, chunk, window)
+    if dense is not None:
+        dense = (*dense[:2], dense[2].repeat(group, 1))
     out = _attend(qg, keys, values, mask.repeat(group, 1), cache, scale, dense)  # [Hk, G*n, D]
     return out.view(num_kv, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim).to(q.dtype)
+
+
+def expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+                     chunk: PrefillChunk, scale: float, window: int | None, expand) -> torch.Tensor:
+    """What `_prefill` computes for a chunk's queries q [n, Hk, G, D], as one fused
+    scaled_dot_product_attention in code space, for chunks long enough that its GEMMs win over
+    reading codes per query: `expand(cache, chunk, dtype)` gives every context token's code-space key
+    and value rows [Hk, L, W] (TurboQuantLayerCache.code_space or a backend's twin), the queries enter
+    key code space through `decode_maps`, and the 16-bit tokens join the same softmax, mapped into code
+    space by `embed_maps`. Returns [n, Hk, G, D] in q's dtype."""
+    n, num_kv, group, dim = q.shape
+    to_keys, back = cache.decode_maps
+    code_k, code_v = expand(cache, chunk, q.dtype)
+    mask, dense = _prefill_reads(k, v, cache, chunk, window)
+    if dense is not None:
+        embed_k, embed_v = cache.embed_maps
+        dense_k, dense_v, _ = dense
+        code_k = torch.cat([code_k, ((dense_k.float() - cache.key_mean[:, None]) @ embed_k).to(q.dtype)], 1)
+        code_v = torch.cat([code_v, (dense_v.float() @ embed_v).to(q.dtype)], 1)
+    key = ("additive", id(mask), q.dtype)  # the memo keeps mask alive, so its id stays its own
+    if key not in chunk.memo:  # what SDPA would make of the bool masks at every call
+        visible = mask if dense is None else torch.cat([mask, dense[2]], 1)
+        chunk.memo[key] = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, -math.inf)
+    qk = (q.float().permute(1, 2, 0, 3) @ to_keys[:, None]).flatten(0, 1)  # [Hk * G, n, Wk]
+    out = F.scaled_dot_product_attention(qk[None].to(q.dtype), code_k[None], code_v[None], attn_mask=chunk.memo[key],
+                                         scale=scale, enable_gqa=True)
+    out = out[0].float().view(num_kv, group * n, -1) @ back  # [Hk, G*n, D]
+    return out.view(num_kv, group, n, dim).permute(2, 0, 1, 3).to(q.dtype)
+
+
+def _prefill_reads(k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache, chunk: PrefillChunk,
+                   window: int | None):
+    """Which context tokens each of a chunk's queries reads from its codes, mask [n, L], and, with a 16-bit
+    window, the tokens it reads in 16 bits: (K, V [Hk, Ls + n, D] staged then its own, mask [n, Ls + n]).
+    The masks depend on positions and on which blocks are staged: computed once per step for every layer
+    that stages the same blocks."""
+    recent = cache.window
+    if recent is None:
+        key = ("causal", window)
+        if key not in chunk.memo:
+            device = chunk.block_table.device
+            chunk.memo[key] = reference.causal_mask(chunk.length, chunk.context_len, window, device)
+        return chunk.memo[key], None
+    staged = recent.staging_of[chunk.block_table] >= 0  # [blocks]
+    index = _staged_prefill_blocks(recent, chunk)
+    key = ("reads", window, tuple(staged.tolist()))
+    if key not in chunk.memo:
+        chunk.memo[key] = _read_masks(recent, chunk, window, staged, index)
+    mask, dense_mask = chunk.memo[key]
+    staged_k, staged_v = recent.gather(chunk.block_table[index])  # [Ls, Hk, D]
+    dense_k = torch.cat([staged_k, k.to(staged_k.dtype)]).transpose(0, 1)  # [Hk, Ls+n, D]
+    dense_v = torch.cat([staged_v, v.to(staged_v.dtype)]).transpose(0, 1)
+    return mask, (dense_k, dense_v, dense_mask)
+
+
+def _read_masks(recent: RecentWindow, chunk: PrefillChunk, window: int | None, staged: torch.Tensor,
+                index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, length, device = chunk.length, chunk.context_len, staged.device
+    start = length - n
+    pos = torch.arange(length, device=device)
+    qpos = pos[start:, None]  # [n, 1]
+    readable = staged.repeat_interleave(recent.block_size)[:length] | (pos >= start)
+    mask = reference.causal_mask(n, length, window, device) & ~(readable & _near(pos, qpos, recent, None))
+    staged_pos = _positions(index, recent.block_size)
+    exists = staged[index].repeat_interleave(recent.block_size) & (staged_pos < start)
+    staged_mask = exists & _near(staged_pos, qpos, recent, window)
+    return mask, torch.cat([staged_mask, _near(pos[start:], qpos, recent, window)], 1)
 
 
 def _staged_decode_window(window: RecentWindow, tables: torch.Tensor, lens: torch.Tensor):
@@ -151,16 +209,13 @@ def _staged_decode_window(window: RecentWindow, tables: torch.Tensor, lens: torc
     return (*window.gather(blocks), _positions(index, window.block_size), window.exists(blocks))
 
 
-def _staged_prefill_window(window: RecentWindow, chunk: PrefillChunk):
-    """Staged K/V [Ls, Hk, D], positions and existence [Ls] of the cached-prefix blocks the chunk reaches."""
+def _staged_prefill_blocks(window: RecentWindow, chunk: PrefillChunk) -> torch.Tensor:
+    """Indices into the chunk's block table of the cached-prefix blocks its window reaches (sinks, then recent)."""
     prefix = chunk.context_len - chunk.length
     first = max(0, prefix + 1 - window.tokens) // window.block_size
     device = chunk.block_table.device
-    index = torch.cat([torch.arange(min(window.sink_blocks, first), device=device),
-                       torch.arange(first, math.ceil(prefix / window.block_size), device=device)])
-    blocks = chunk.block_table[index]
-    positions = _positions(index, window.block_size)
-    return (*window.gather(blocks), positions, window.exists(blocks) & (positions < prefix))
+    return torch.cat([torch.arange(min(window.sink_blocks, first), device=device),
+                      torch.arange(first, math.ceil(prefix / window.block_size), device=device)])
 
 
 def _positions(block_index: torch.Tensor, block_size: int) -> torch.Tensor:

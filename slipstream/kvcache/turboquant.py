@@ -115,7 +115,7 @@ class TurboQuantizer:
     def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
         """(..., nbytes) uint8 -> (..., dim) float32 reconstruction (the reference path)."""
         lift = self._lift.on(codes.device).lift
-        return self._permute(self._code_space(codes) @ lift, head_axis=-2, inverse=True)
+        return self._permute(self.code_space(codes) @ lift, head_axis=-2, inverse=True)
 
     def scores(self, q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Estimates of <q, k_t>: q (*batch, M, dim), codes (*batch, T, nbytes) -> (*batch, M, T).
@@ -189,7 +189,8 @@ class TurboQuantizer:
         """(num_kv_heads, dim): the channels of each head in group order (outliers first); None before calibrate."""
         return None if self._permutation is None else self._permutation.cpu["forward"]
 
-    def _code_space(self, codes: torch.Tensor) -> torch.Tensor:
+    def code_space(self, codes: torch.Tensor) -> torch.Tensor:
+        """(..., nbytes) uint8 -> (..., code_width) float32: what scores and sums read, before any rotation."""
         return _concat([unit * scale for unit, scale in self._parts(codes)])
 
     def _parts(self, codes: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

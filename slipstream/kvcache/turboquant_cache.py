@@ -118,6 +118,23 @@ class TurboQuantLayerCache:
         return (self.key_quantizer.rotate_queries(eye * self.key_scale[:, None, :]).contiguous(),
                 self.value_quantizer.restore(eye).contiguous())
 
+    @functools.cached_property
+    def embed_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per KV head, [Hk, D, key code width] and [Hk, D, value code width] taking a 16-bit key (less the
+        mean) and value into code space: the inverses of `decode_maps`, so that a query's score and a
+        weighted sum come out the same whether a token is read in code space or in channels."""
+        to_keys, back = (m.double() for m in self.decode_maps)
+        return (torch.linalg.pinv(to_keys).transpose(-1, -2).float().contiguous(),
+                torch.linalg.pinv(back).float().contiguous())
+
+    def code_space(self, block_table: torch.Tensor, length: int,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` tokens through a block table as code-space key and value rows [Hk, length, W]:
+        the torch twin of backends/cpu's native expansion."""
+        keys, values = self.codes_by_head(block_table)
+        return (self.key_quantizer.code_space(keys[:, :length]).to(dtype),
+                self.value_quantizer.code_space(values[:, :length]).to(dtype))
+
     def scaled_keys(self, k: torch.Tensor) -> torch.Tensor:
         """What is quantized: (k - mu) / sigma, for k [..., Hk, D]."""
         return (k.float() - self.key_mean) / self.key_scale

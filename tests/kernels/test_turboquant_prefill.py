@@ -1,5 +1,6 @@
 """The native TurboQuant kernel (kernels/turboquant_attention.c) with several query rows per sequence, in every
-kernel build, against the torch code path (`turboquant._prefill`).
+kernel build, against the torch code path (`turboquant._prefill`): its tiles, which serve chunks shorter than
+EXPANDED_FROM_ROWS and verification (longer chunks: tests/kernels/test_turboquant_expanded.py).
 
 Rows are causal within their chunk over the chunk's own tokens (written to the cache before
 attention), each within its own sliding window; ragged chunks in one call, shuffled block tables,
@@ -16,7 +17,8 @@ import torch
 
 from slipstream.attention import turboquant
 from slipstream.attention.metadata import PrefillChunk
-from slipstream.backends.cpu.attention import _turboquant, turboquant_decode, turboquant_prefill
+from slipstream.backends.cpu.attention import (_turboquant, turboquant_decode, turboquant_prefill,
+                                               turboquant_prefill_tiles)
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.kvcache.dtype import TQ_BITS
@@ -49,7 +51,7 @@ def test_chunk_equals_the_torch_code_path(isa, kv_dtype, num_heads, kv_heads, wi
     cache, tables = _filled(kv_dtype, lens, num_heads, kv_heads)
     chunk = _chunks([37], lens, tables)[0]  # 37 rows: several tiles, the last one partly padding
     q, k, v = torch.randn(37, num_heads, 64), torch.randn(37, kv_heads, 64), torch.randn(37, kv_heads, 64)
-    ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill)
+    ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill_tiles)
     assert (ours - turboquant._prefill(q, k, v, cache, chunk, 0.125, window)).abs().max() < TOL
 
 
@@ -60,7 +62,7 @@ def test_chunk_on_every_key_value_split(isa):
             cache, tables = _filled(kv_dtype, [90], 6, 2)
             chunk = _chunks([37], [90], tables)[0]
             q, k, v = torch.randn(37, 6, 64), torch.randn(37, 2, 64), torch.randn(37, 2, 64)
-            ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, None, turboquant_prefill)
+            ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, None, turboquant_prefill_tiles)
             diff = (ours - turboquant._prefill(q, k, v, cache, chunk, 0.125, None)).abs().max()
             assert diff < TOL, (kv_dtype, diff)
 
@@ -75,7 +77,7 @@ def test_chunk_with_larger_heads_and_other_blocks(isa, kv_dtype, dim, block_size
     chunk = PrefillChunk(0, 21, 70, tables[0])
     q, k, v = torch.randn(21, 4, dim), torch.randn(21, 1, dim), torch.randn(21, 1, dim)
     for window in (None, 9):
-        ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill)
+        ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill_tiles)
         assert (ours - turboquant._prefill(q, k, v, cache, chunk, 0.125, window)).abs().max() < TOL * dim / 64
 
 
@@ -102,8 +104,8 @@ def test_chunk_reads_only_its_blocks_and_rows(isa):
     free = next(b for b in range(cache.k.shape[0]) if b not in set(tables.flatten().tolist()))
     cache.k[free] = 0xFF  # every fp16 in these rows reads as NaN
     cache.v[tables[0, 1], 40 - 16:] = 0xFF  # slots after the sequence's 40 tokens
-    out = turboquant_prefill(torch.randn(12, 2, 3, 64), None, None, cache, PrefillChunk(0, 12, 40, tables[0]),
-                             0.125, None)
+    out = turboquant_prefill_tiles(torch.randn(12, 2, 3, 64), None, None, cache,
+                                   PrefillChunk(0, 12, 40, tables[0]), 0.125, None)
     assert torch.isfinite(out).all()
 
 
@@ -128,7 +130,7 @@ def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, si
     turboquant._stage(cache.window, k, v, meta)
     assert cache.window.exists(table).any()
     chunk = meta.prefills[0]
-    ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill)
+    ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill_tiles)
     assert (ours - turboquant._prefill(q, k, v, cache, chunk, 0.125, window)).abs().max() < TOL
 
 

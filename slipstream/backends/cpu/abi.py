@@ -117,6 +117,9 @@ class Kernels:
     # (layer, batch: its sequences, with layer.query_start their query rows, q, out)
     turboquant_paged_attention = Function("turboquant_attention", ctypes.POINTER(TurboQuantAttention),
                                            ctypes.POINTER(DecodeBatch), P, P, restype=STATUS)
+    # (rows, block table, length, heads, block size, bf16, out [heads, length, width], threads)
+    turboquant_expand = Function("turboquant_attention", ctypes.POINTER(CodeRows), P, I64, I32, I32, I32, P, I32,
+                                 restype=STATUS)
     turboquant_encode = Function("turboquant_encode", ctypes.POINTER(TurboQuantEncode), restype=STATUS)
     # 1 where built with a path for this ISA (AVX-512), else 0 and every call returns -1
     gemm_bf16_available = Function("gemm", restype=ctypes.c_int)

@@ -1,5 +1,6 @@
 """Attention kernels of the CPU backend: queries over a bf16 cache (kernels/paged_attention.c) and
-decode queries and prefill chunks over TurboQuant codes (kernels/turboquant_attention.c).
+decode queries and prefill chunks over TurboQuant codes (kernels/turboquant_attention.c; long
+chunks: the codes expanded natively, then torch's SDPA).
 
 Each query reads its own blocks up to its own length, with no gather into a padded batch.
 They plug into the torch paths as their `decode_kernel` / `prefill_kernel`
@@ -16,7 +17,7 @@ import ctypes
 
 import torch
 
-from slipstream.attention import reference
+from slipstream.attention import reference, turboquant
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
 from slipstream.backends.cpu import abi
 from slipstream.kvcache.turboquant import TurboQuantizer
@@ -97,8 +98,17 @@ def turboquant_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
 
 def turboquant_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
                        chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor | None:
-    """The same kernel for a prefill chunk's queries q [n, Hk, G, D] over its cached prefix and itself (causal),
-    k/v [n, Hk, D] its new tokens, already written; None where it does not run."""
+    """A prefill chunk's queries q [n, Hk, G, D] over its cached prefix and itself (causal), k/v [n, Hk, D] its
+    new tokens, already written: from EXPANDED_FROM_ROWS rows one SDPA over the natively expanded codes
+    (attention/turboquant.py, expanded_prefill), below that the kernel's tiles; None where neither runs."""
+    if chunk.length >= EXPANDED_FROM_ROWS and _runs(q, cache, abi.kernels()):
+        return turboquant.expanded_prefill(q, k, v, cache, chunk, scale, window, _expand)
+    return turboquant_prefill_tiles(q, k, v, cache, chunk, scale, window)
+
+
+def turboquant_prefill_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+                             chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor | None:
+    """The decode kernel's tiles of query rows for one chunk: each tile decodes every code row it reads."""
     starts = torch.tensor([0, chunk.length])
     lens = torch.tensor([chunk.context_len])
     return _turboquant(q, k, v, cache, starts, chunk.block_table[None], lens, scale, window)
@@ -108,10 +118,8 @@ def _turboquant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQ
                 starts: torch.Tensor | None, tables: torch.Tensor, lens: torch.Tensor, scale: float,
                 window: int | None) -> torch.Tensor | None:
     """q [rows, Hk, G, D]: sequence b's query rows are [starts[b], starts[b + 1]) (None: row b alone)."""
-    lib = abi.kernels()
-    recent = cache.window
-    if (q.device.type != "cpu" or not (_has_slack(cache.k, lib) and _has_slack(cache.v, lib))
-            or (recent is not None and recent.k.dtype not in _DENSE_DTYPES)):
+    lib, recent = abi.kernels(), cache.window
+    if not _runs(q, cache, lib):
         return None
     to_keys, back = cache.decode_maps
     heads, group, dim = q.shape[1:]
@@ -134,13 +142,42 @@ def _turboquant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQ
     return out if status == 0 else None
 
 
+def _expand(cache: TurboQuantLayerCache, chunk: PrefillChunk, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """TurboQuantLayerCache.code_space in kernels/turboquant_attention.c, straight to `dtype`."""
+    table = chunk.block_table.to(torch.int64).contiguous()
+    return tuple(_expand_rows(rows, quantizer, table, chunk.context_len, dtype)
+                 for rows, quantizer in ((cache.k, cache.key_quantizer), (cache.v, cache.value_quantizer)))
+
+
+def _expand_rows(rows: torch.Tensor, quantizer: TurboQuantizer, table: torch.Tensor, length: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    heads = rows.shape[2]
+    out = torch.empty(heads, length, quantizer.code_width, dtype=dtype)
+    status = abi.kernels().turboquant_expand(_code_rows(rows, quantizer), table.data_ptr(), length, heads,
+                                             rows.shape[1], int(dtype == torch.bfloat16), out.data_ptr(),
+                                             abi.threads())
+    if status:
+        raise ValueError(f"no native expansion of {quantizer.bits}-bit {quantizer.mode} rows")
+    return out
+
+
 def _code_rows(rows: torch.Tensor, quantizer: TurboQuantizer) -> abi.CodeRows:
     pieces, values = quantizer.row_layout  # cached on the quantizer: alive as long as the cache
     return abi.CodeRows(rows.data_ptr(), pieces.data_ptr(), values.data_ptr(), len(pieces), quantizer.nbytes,
                         quantizer.code_width)
 
 
+# a chunk's rows from which expanding its context's codes once and attending through SDPA beats the tiles, which
+# decode every code row once per 32 query vectors (SmolLM2's 9 heads over 3, bf16, AMX CPU, 4k context: equal at 16
+# rows, the expansion 1.6x / 2.2x faster at 32 / 64 rows; the tiles 1.25x faster at 8)
+EXPANDED_FROM_ROWS = 16
 _DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the 16-bit window's dtypes the kernel reads
+
+
+def _runs(q: torch.Tensor, cache: TurboQuantLayerCache, lib: abi.Kernels) -> bool:
+    recent = cache.window
+    return (q.device.type == "cpu" and _has_slack(cache.k, lib) and _has_slack(cache.v, lib)
+            and (recent is None or recent.k.dtype in _DENSE_DTYPES))
 
 
 def _has_slack(rows: torch.Tensor, lib: abi.Kernels) -> bool:

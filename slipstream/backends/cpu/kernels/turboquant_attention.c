@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "decode_batch.h"
 
 #define MAX_GROUP 16
@@ -715,5 +716,32 @@ int turboquant_paged_attention(const TurboQuantAttention *a, const DecodeBatch *
         }
     }
     free(task);
+    return 0;
+}
+
+// The first `length` tokens of one sequence (block table `table`) as code-space rows, out [heads][length][width],
+// float32 or (bf16 = 1) bf16: what a long prefill chunk's queries and weights meet in one GEMM each
+// (attention/turboquant.py, expanded_prefill). Returns 0, or -1 for a row layout beyond the decoders.
+int turboquant_expand(const CodeRows *rows, const int64_t *table, int64_t length, int32_t heads, int32_t block_size,
+                      int32_t bf16, void *out, int32_t threads) {
+    Layout l;
+    if (rows->width > MAX_WIDTH || make_layout(&l, rows->pieces, rows->values, rows->count, rows->width, rows->bytes))
+        return -1;
+    int64_t blocks = (length + block_size - 1) / block_size;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int h = 0; h < heads; h++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float row[MAX_WIDTH];
+            for (int64_t pos = b * block_size; pos < (b + 1) * block_size && pos < length; pos++) {
+                int64_t slot = table[b] * block_size + pos % block_size, at = (h * length + pos) * l.width;
+                const uint8_t *src = rows->cache + (slot * heads + h) * l.bytes;
+                if (!bf16) {
+                    decode_row(&l, src, 1.f, (float *)out + at);
+                    continue;
+                }
+                decode_row(&l, src, 1.f, row);
+                for (int i = 0; i < l.width; i++) ((uint16_t *)out)[at + i] = float_to_bf16(row[i]);
+            }
+        }
     return 0;
 }

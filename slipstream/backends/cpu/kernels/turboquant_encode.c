@@ -9,6 +9,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_DIM 256
@@ -16,7 +17,7 @@
 
 typedef struct {
     int dim, mse_bits, qjl, norm_correction;
-    const float *rotation, *centroids, *boundaries, *sketch;
+    const float *rotation_t, *centroids, *boundaries, *sketch;  // rotation_t: R transposed, [dim][dim]
 } Group;
 
 static void put_half(uint8_t *dst, float x) {  // round to nearest even, as torch's .to(float16); little-endian
@@ -37,33 +38,32 @@ static uint8_t *encode_group(const Group *g, const float *x, uint8_t *dst) {
     float y[MAX_DIM];
     int code[MAX_DIM];
     int d = g->dim, levels = 1 << g->mse_bits;
+    memset(y, 0, sizeof(float) * d);
+    for (int j = 0; j < d; j++)  // y = R x as columns of R scaled by x: contiguous, vectorized over i
+        for (int i = 0; i < d; i++) y[i] += g->rotation_t[j * d + i] * x[j];
     float square = 0.f;
-    for (int i = 0; i < d; i++) {
-        float s = 0.f;
-        for (int j = 0; j < d; j++) s += g->rotation[i * d + j] * x[j];
-        y[i] = s;
-        square += s * s;
-    }
+    for (int i = 0; i < d; i++) square += y[i] * y[i];
     float norm = sqrtf(square), divisor = norm > FLT_MIN ? norm : FLT_MIN;
     for (int i = 0; i < d; i++) y[i] /= divisor;
     if (g->mse_bits) {
+        for (int i = 0; i < d; i++) code[i] = 0;
+        for (int c = 0; c < levels - 1; c++)  // torch.bucketize: the number of boundaries strictly below
+            for (int i = 0; i < d; i++) code[i] += g->boundaries[c] < y[i];
         float along = 0.f;
         for (int i = 0; i < d; i++) {
-            int c = 0;  // torch.bucketize: the number of boundaries strictly below
-            while (c < levels - 1 && g->boundaries[c] < y[i]) c++;
-            code[i] = c;
-            along += y[i] * g->centroids[c];
-            y[i] -= g->centroids[c];
+            along += y[i] * g->centroids[code[i]];
+            y[i] -= g->centroids[code[i]];
         }
         dst = pack(code, d, g->mse_bits, dst);
         if (g->norm_correction) norm /= along > 1e-3f ? along : 1e-3f;
     }
     if (g->qjl) {
-        float residual = 0.f;
+        float sketch[MAX_DIM], residual = 0.f;
+        memset(sketch, 0, sizeof(float) * d);
+        for (int j = 0; j < d; j++)
+            for (int i = 0; i < d; i++) sketch[i] += y[j] * g->sketch[j * d + i];
         for (int i = 0; i < d; i++) {
-            float s = 0.f;
-            for (int j = 0; j < d; j++) s += y[j] * g->sketch[j * d + i];
-            code[i] = s >= 0.f;
+            code[i] = sketch[i] >= 0.f;
             residual += y[i] * y[i];
         }
         dst = pack(code, d, 1, dst);
@@ -72,6 +72,10 @@ static uint8_t *encode_group(const Group *g, const float *x, uint8_t *dst) {
     }
     put_half(dst, norm);
     return dst + 2;
+}
+
+static void free_rotations(Group *groups, int count) {
+    for (int i = 0; i < count; i++) free((void *)groups[i].rotation_t);
 }
 
 // One call's rows and the quantizer's tables. Row (token t, head h) of x goes to
@@ -109,7 +113,11 @@ int turboquant_encode(const TurboQuantEncode *e) {
         g->mse_bits = group_info[4 * i + 1];
         g->qjl = group_info[4 * i + 2];
         g->norm_correction = group_info[4 * i + 3];
-        g->rotation = constants;
+        float *rotation_t = malloc(sizeof(float) * g->dim * g->dim);
+        if (!rotation_t) return free_rotations(groups, i), -1;
+        for (int r = 0; r < g->dim; r++)
+            for (int c = 0; c < g->dim; c++) rotation_t[c * g->dim + r] = constants[r * g->dim + c];
+        g->rotation_t = rotation_t;
         constants += g->dim * g->dim;
         g->centroids = constants;
         constants += g->mse_bits ? 1 << g->mse_bits : 0;
@@ -132,5 +140,6 @@ int turboquant_encode(const TurboQuantEncode *e) {
         for (int i = 0, start = 0; i < count; start += groups[i].dim, i++)
             dst = encode_group(&groups[i], row + start, dst);
     }
+    free_rotations(groups, count);
     return 0;
 }
