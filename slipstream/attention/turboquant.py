@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
-from slipstream.kvcache.recent_window import RecentWindow
+from slipstream.kvcache.recent_window import RecentWindow, Staging
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 
@@ -67,14 +67,25 @@ def _calibration_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
 
 
 def _stage(window: RecentWindow, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Mirror new tokens whose block stays in its sequence's window; keep every window's blocks."""
+    """Mirror new tokens whose block stays in its sequence's window."""
+    place_staging(window.staging, meta)
+    window.write(k, v, meta.slot_mapping)
+
+
+def place_staging(staging: Staging, meta: AttentionMetadata) -> None:
+    """Once per step for the layers that share `staging`: staging for the blocks this step's new tokens start in
+    their sequence's window, none for those they start outside it; every window's blocks kept."""
+    key = ("staging placed", id(staging))
+    if key in meta.step_cache:
+        return
     active, in_window = [], []
     for row, end in enumerate(meta.context_lens):
         length, table = meta.query_start[row + 1] - meta.query_start[row], meta.block_table[row]
-        first, sinks = window.first_block(end), window.sink_blocks
-        active += table[:min(sinks, first)].tolist() + table[first:math.ceil(end / window.block_size)].tolist()
-        in_window += [not sinks <= p // window.block_size < first for p in range(end - length, end)]
-    window.write(k, v, meta.slot_mapping, torch.tensor(in_window, device=k.device), active)
+        first, sinks = staging.first_block(end), staging.sink_blocks
+        active += table[:min(sinks, first)].tolist() + table[first:math.ceil(end / staging.block_size)].tolist()
+        in_window += [not sinks <= p // staging.block_size < first for p in range(end - length, end)]
+    staging.assign(meta.slot_mapping, torch.tensor(in_window, device=meta.slot_mapping.device), active)
+    meta.step_cache[key] = True
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,

@@ -11,7 +11,7 @@ import torch
 
 from slipstream.backends.cpu import abi
 from slipstream.kvcache.dtype import KVCacheDtype
-from slipstream.kvcache.recent_window import staging_blocks
+from slipstream.kvcache.recent_window import Staging, staging_blocks
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -104,6 +104,8 @@ class KVCache:
                              f"({self.bytes_per_token * block_size} bytes) after {self.window_memory} bytes "
                              f"of 16-bit staging (kv_cache_recent_tokens={self.recent_tokens}, "
                              f"kv_cache_sink_tokens={self.sink_tokens})")
+        self.staging = (Staging(self.recent_tokens, self.sink_tokens, self.num_blocks, self.num_staging, block_size,
+                                device) if self.num_staging else None)
         turns = key_turns or [None] * n
         self.layers = [self._layer(i, heads, dim, device, turns[i]) for i, (heads, dim) in enumerate(layer_shapes)]
 
@@ -148,7 +150,8 @@ class KVCache:
                                         self.kv_dtype.key_mode, seed=index, device=device,
                                         recent_tokens=self.recent_tokens, num_staging=self.num_staging,
                                         dense_dtype=self.window_dtype, sink_tokens=self.sink_tokens,
-                                        value_bits=self.kv_dtype.value_bits, key_turns=key_turns)
+                                        value_bits=self.kv_dtype.value_bits, key_turns=key_turns,
+                                        staging=self.staging)
         return LayerKVCache(self.num_blocks, self.block_size, heads, dim, self.dense_dtype, device)
 
     def describe(self) -> str:

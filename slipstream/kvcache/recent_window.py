@@ -1,9 +1,10 @@
 """The newest R tokens (KIVI-style) and the first S tokens (attention sinks) of each sequence,
 kept in 16 bits next to their TurboQuant codes.
 
-Owns: a small pool of dense staging blocks for one layer, which physical blocks hold one,
-and when a staging block is given out or taken back. Must never decide which tokens
-attention reads in 16 bits: attention/turboquant.py does that from positions.
+Owns: a small pool of dense staging blocks for one layer (`RecentWindow`), and which physical
+blocks hold one and when a staging block is given out or taken back (`Staging`, shared by a
+model's layers). Must never decide which tokens attention reads in 16 bits:
+attention/turboquant.py does that from positions.
 
 Every token is always written as codes too, so a block without staging is still complete.
 A physical block gets staging only when its first token (offset 0) is written while it is
@@ -33,16 +34,15 @@ def staging_blocks(recent_tokens: int, sink_tokens: int, block_size: int, max_nu
     return max_num_seqs * (recent + math.ceil(sink_tokens / block_size))
 
 
-class RecentWindow:
-    """One layer's staging pool; `tokens` is R, `sinks` is S."""
+class Staging:
+    """Which physical blocks hold a staging block, and when one is given out or taken back: the same for every
+    layer, since every layer sees the same writes, so a model's layers share one (KVCache builds it) and it
+    runs once per step, not once per layer."""
 
     def __init__(self, recent_tokens: int, sink_tokens: int, num_blocks: int, num_staging: int, block_size: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.tokens, self.sinks, self.block_size = recent_tokens, sink_tokens, block_size
+                 device: torch.device):
+        self.tokens, self.sinks, self.block_size, self.num_staging = recent_tokens, sink_tokens, block_size, num_staging
         self.sink_blocks = math.ceil(sink_tokens / block_size)
-        shape = (num_staging, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.staging_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
         self._block_of = [-1] * num_staging
         self._last_use = [-1] * num_staging
@@ -54,9 +54,8 @@ class RecentWindow:
             return -(-context_len // self.block_size)  # none: one past the last block
         return max(0, context_len - self.tokens) // self.block_size
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, in_window: torch.Tensor,
-              active_blocks: list[int]) -> None:
-        """Mirror the step's new k/v [T, Hk, D] into staged blocks.
+    def assign(self, slot_mapping: torch.Tensor, in_window: torch.Tensor, active_blocks: list[int]) -> None:
+        """Before a step writes its new tokens [T] at slot_mapping: blocks they start get staging or lose it.
 
         in_window [T] bool: the token's block is in its sequence's window after this step.
         active_blocks: physical blocks in the windows of this step's sequences (kept).
@@ -69,11 +68,6 @@ class RecentWindow:
         blocks, wanted = (slot_mapping // self.block_size).tolist(), in_window.tolist()
         for i in starts:
             self._restage(blocks[i], wanted[i])
-        staging = self.staging_of[slot_mapping // self.block_size]
-        keep = staging >= 0
-        rows = staging[keep] * self.block_size + slot_mapping[keep] % self.block_size
-        self.k.view(-1, *self.k.shape[2:])[rows] = k[keep].to(self.k.dtype)
-        self.v.view(-1, *self.v.shape[2:])[rows] = v[keep].to(self.v.dtype)
 
     def _restage(self, block: int, wanted: bool) -> None:
         """A block starts over at offset 0: give it staging if it is wanted, else drop any."""
@@ -91,11 +85,37 @@ class RecentWindow:
         if staging >= 0:
             self._last_use[staging] = self._clock
 
+    def exists(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[..., n] physical blocks -> [..., n * block_size] bool: the token has a staged copy."""
+        return (self.staging_of[blocks] >= 0).repeat_interleave(self.block_size, -1)
+
+
+class RecentWindow:
+    """One layer's staging pool, placed by a `Staging` that may be shared; `tokens` is R, `sinks` is S."""
+
+    def __init__(self, staging: Staging, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.staging = staging
+        self.tokens, self.sinks, self.block_size = staging.tokens, staging.sinks, staging.block_size
+        self.sink_blocks, self.staging_of = staging.sink_blocks, staging.staging_of
+        shape = (staging.num_staging, staging.block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def first_block(self, context_len: int) -> int:
+        return self.staging.first_block(context_len)
+
+    def exists(self, blocks: torch.Tensor) -> torch.Tensor:
+        return self.staging.exists(blocks)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Mirror the step's new k/v [T, Hk, D] into the staged blocks (placed by `Staging.assign` first)."""
+        staging = self.staging_of[slot_mapping // self.block_size]
+        keep = staging >= 0
+        rows = staging[keep] * self.block_size + slot_mapping[keep] % self.block_size
+        self.k.view(-1, *self.k.shape[2:])[rows] = k[keep].to(self.k.dtype)
+        self.v.view(-1, *self.v.shape[2:])[rows] = v[keep].to(self.v.dtype)
+
     def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Staged K/V of physical blocks [..., n] -> [..., n * block_size, Hk, D] (garbage where none)."""
         index = self.staging_of[blocks].clamp_min(0)
         return self.k[index].flatten(-4, -3), self.v[index].flatten(-4, -3)
-
-    def exists(self, blocks: torch.Tensor) -> torch.Tensor:
-        """[..., n] physical blocks -> [..., n * block_size] bool: the token has a staged copy."""
-        return (self.staging_of[blocks] >= 0).repeat_interleave(self.block_size, -1)

@@ -39,7 +39,7 @@ import math
 import torch
 
 from slipstream.backends.cpu import abi
-from slipstream.kvcache.recent_window import RecentWindow
+from slipstream.kvcache.recent_window import RecentWindow, Staging
 from slipstream.kvcache.turboquant import TurboQuantizer
 
 # radians: a rotary pair that turns less over the positions served keeps its mean (0.5 / 1 / 2 measured
@@ -51,14 +51,16 @@ class TurboQuantLayerCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  bits: float, key_mode: str, seed: int, device: torch.device, recent_tokens: int = 0,
                  num_staging: int = 0, dense_dtype: torch.dtype = torch.bfloat16, sink_tokens: int = 0,
-                 value_bits: float | None = None, key_turns: torch.Tensor | None = None):
+                 value_bits: float | None = None, key_turns: torch.Tensor | None = None,
+                 staging: Staging | None = None):
         """bits: the keys' (and, with value_bits None, the values') bits per coordinate; key_turns: radians
-        each rotary pair of the keys turns over the positions served (None: keys do not turn)."""
+        each rotary pair of the keys turns over the positions served (None: keys do not turn); staging: the
+        16-bit window's placement shared with the model's other layers (None: one of its own)."""
         self.block_size = block_size
         self.key_turns = key_turns
-        self.window = (RecentWindow(recent_tokens, sink_tokens, num_blocks, num_staging, block_size,
-                                    num_kv_heads, head_dim, dense_dtype, device)
-                       if recent_tokens or sink_tokens else None)
+        if staging is None and (recent_tokens or sink_tokens):
+            staging = Staging(recent_tokens, sink_tokens, num_blocks, num_staging, block_size, device)
+        self.window = None if staging is None else RecentWindow(staging, num_kv_heads, head_dim, dense_dtype, device)
         self.key_quantizer = _quantizer(head_dim, bits, key_mode, seed=2 * seed)
         self.value_quantizer = _quantizer(head_dim, value_bits or bits, "mse", seed=2 * seed + 1)
         self.k = _rows((num_blocks, block_size, num_kv_heads, self.key_quantizer.nbytes), device)
@@ -198,11 +200,20 @@ def _native_write(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor
         return False
     x, slots = x.float().contiguous(), slots.to(torch.int64).contiguous()
     mean, scale = (None if t is None else t.contiguous() for t in (mean, scale))
-    info, constants = quantizer.encode_tables
-    call = abi.TurboQuantEncode(x.data_ptr(), _pointer(mean), _pointer(scale), _pointer(quantizer.channel_order),
-                                info.data_ptr(), constants.data_ptr(), slots.data_ptr(), rows.data_ptr(),
-                                x.shape[0], len(info), x.shape[1], x.shape[2], quantizer.nbytes, abi.threads())
+    call = native_encoder(rows, quantizer, mean, scale)
+    call.x, call.slots, call.tokens, call.threads = x.data_ptr(), slots.data_ptr(), x.shape[0], abi.threads()
     return lib.turboquant_encode(call) == 0
+
+
+def native_encoder(rows: torch.Tensor, quantizer: TurboQuantizer, mean: torch.Tensor | None = None,
+                   scale: torch.Tensor | None = None) -> abi.TurboQuantEncode:
+    """kernels/turboquant_encode.c's description of an encoder into `rows`, the call's rows, slots and tokens
+    unset; mean and scale must be contiguous and live as long as it is used (the cache's own do)."""
+    info, constants = quantizer.encode_tables
+    heads, nbytes = rows.shape[2:]
+    return abi.TurboQuantEncode(None, _pointer(mean), _pointer(scale), _pointer(quantizer.channel_order),
+                                info.data_ptr(), constants.data_ptr(), None, rows.data_ptr(), 0, len(info), heads,
+                                quantizer.dim, nbytes, 0)
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

@@ -13,6 +13,9 @@ from tests.conftest import build_tiny_checkpoint, random_prompts
 # silu_and_mul_bf16), and run the same GEMM kernel for a given number of tokens
 # (backends/cpu/linear.py's GemmPolicy): the logprobs are the same bits (batch invariance).
 CASES = [("llama", 4, None), ("llama", 1, None), ("llama", 2, "int8"), ("llama", 2, "int4"), ("mistral", 2, None)]
+# TurboQuant caches: the codes written and read by turboquant_encode.c / turboquant_attention.c from inside the
+# stack, and the 16-bit window (6 newest, 2 first tokens: shorter than the sequences) staged there
+TURBOQUANT = [("llama", 2, None, "tq3"), ("llama", 1, "int8", "tq4"), ("mistral", 4, None, "tq-k4v2-qjl")]
 # 4 sequences decode on the AVX-512 GEMMs; 16 reach every format's
 # AMX_MIN_ROWS, so that the AMX kernels run inside the native stack where the machine has them
 SEQUENCES = [4, 16]
@@ -66,14 +69,32 @@ def test_layers_the_kernel_does_not_cover_keep_the_torch_path(gemm_isa, tmp_path
     assert llm.engine.runner.model.model.decode_stack.described() is None
 
 
-def test_turboquant_and_float32_caches_keep_the_torch_path(gemm_isa, tiny_llama, monkeypatch):
+@pytest.mark.parametrize("window", [(6, 2), (0, 0)], ids=["window", "codes"])
+@pytest.mark.parametrize("family,num_kv_heads,quantization,kv_cache_dtype", TURBOQUANT,
+                         ids=[f"{f}-kv{k}-{q or 'bf16'}-{d}" for f, k, q, d in TURBOQUANT])
+def test_native_decode_over_turboquant_matches_the_per_kernel_path(gemm_isa, tmp_path, monkeypatch, family,
+                                                                   num_kv_heads, quantization, kv_cache_dtype, window):
+    overrides = {"sliding_window": 12} if family == "mistral" else {}
+    path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=num_kv_heads, seed=3, **overrides)
+    prompts = random_prompts(4, 3, 20, seed=2)
+    knobs = dict(block_size=4, kv_cache_dtype=kv_cache_dtype, kv_cache_recent_tokens=window[0],
+                 kv_cache_sink_tokens=window[1])
     calls = _count_calls(monkeypatch)
-    for args in (dict(dtype="bfloat16", kv_cache_dtype="tq4"), dict(dtype="float32")):
-        llm = LLM(tiny_llama, **args)
-        outputs = llm.generate(random_prompts(2, 3, 8, seed=1), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                               use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
-    assert calls[0] == 0
+    llm, tokens, logprobs = _generate(path, quantization, prompts, **knobs)
+    assert calls[0] == 9
+    assert llm.stats()["num_used_blocks"] == 0
+    monkeypatch.setattr(DecodeStack, "described", lambda self: None)
+    _, expected_tokens, expected_logprobs = _generate(path, quantization, prompts, **knobs)
+    assert tokens == expected_tokens
+    assert torch.equal(logprobs, expected_logprobs)
+
+
+def test_float32_caches_keep_the_torch_path(gemm_isa, tiny_llama, monkeypatch):
+    calls = _count_calls(monkeypatch)
+    llm = LLM(tiny_llama, dtype="float32")
+    outputs = llm.generate(random_prompts(2, 3, 8, seed=1), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outputs) and calls[0] == 0
 
 
 # mean |logprob difference| of the decoded tokens against transformers fp32; measured on the

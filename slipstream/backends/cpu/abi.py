@@ -66,10 +66,17 @@ class Weight(ctypes.Structure):
     _fields_ = [("kind", I32), ("weight", P), ("scale", P), ("low", P), ("n", I64)]
 
 
+class TurboQuantLayer(ctypes.Structure):
+    """decoder_layer.c: a layer's TurboQuant cache and the kernels that attend over it and encode into it."""
+    _fields_ = [("attention", TurboQuantAttention), ("window", DenseTokens), ("keys", TurboQuantEncode),
+                ("values", TurboQuantEncode), ("attend", P), ("encode", P)]
+
+
 class Layer(ctypes.Structure):
     """decoder_layer.c: one llama-family decoder layer bound to its KV cache."""
     _fields_ = [("input_norm", P), ("post_attention_norm", P), ("qkv", Weight), ("o", Weight),
-                ("gate_up", Weight), ("down", Weight), ("k_cache", P), ("v_cache", P), ("num_blocks", I64),
+                ("gate_up", Weight), ("down", Weight), ("turboquant", ctypes.POINTER(TurboQuantLayer)),
+                ("k_cache", P), ("v_cache", P), ("num_blocks", I64),
                 ("window", I64), ("block_size", I32), ("q_heads", I32), ("kv_heads", I32), ("head_dim", I32),
                 ("hidden", I32), ("intermediate", I32), ("eps", F32), ("scale", F32)]
 
@@ -84,7 +91,7 @@ class Step(ctypes.Structure):
 MIRRORS = {DecodeBatch: "paged_attention", PagedAttention: "paged_attention", CodeRows: "turboquant_attention",
            DenseTokens: "turboquant_attention", TurboQuantAttention: "turboquant_attention",
            TurboQuantEncode: "turboquant_encode", Weight: "decoder_layer", Layer: "decoder_layer",
-           Step: "decoder_layer"}
+           Step: "decoder_layer", TurboQuantLayer: "decoder_layer"}
 
 
 class Function:
@@ -120,6 +127,8 @@ class Kernels:
     # (rows, block table, length, heads, block size, bf16, out [heads, length, width], threads)
     turboquant_expand = Function("turboquant_attention", ctypes.POINTER(CodeRows), P, I64, I32, I32, I32, P, I32,
                                  restype=STATUS)
+    # 0 where turboquant_paged_attention serves this layer's shapes and layouts
+    turboquant_attention_fits = Function("turboquant_attention", ctypes.POINTER(TurboQuantAttention), restype=STATUS)
     turboquant_encode = Function("turboquant_encode", ctypes.POINTER(TurboQuantEncode), restype=STATUS)
     # 1 where built with a path for this ISA (AVX-512), else 0 and every call returns -1
     gemm_bf16_available = Function("gemm", restype=ctypes.c_int)

@@ -121,25 +121,39 @@ def _turboquant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQ
     lib, recent = abi.kernels(), cache.window
     if not _runs(q, cache, lib):
         return None
-    to_keys, back = cache.decode_maps
-    heads, group, dim = q.shape[1:]
     q = q.float().contiguous()
     out = torch.empty_like(q)
     tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
-    keys, values = _code_rows(cache.k, cache.key_quantizer), _code_rows(cache.v, cache.value_quantizer)
     starts = None if starts is None else starts.to(torch.int64).contiguous()
-    layer = abi.TurboQuantAttention(keys, values, to_keys.data_ptr(), back.data_ptr(), None,
-                                    None if starts is None else starts.data_ptr(), window or 0, heads, group, dim,
-                                    cache.block_size, scale)
+    layer = turboquant_layer(cache, q.shape[2], scale, window)
+    layer.query_start = None if starts is None else starts.data_ptr()
     if recent is not None:
         k, v = k.to(recent.k.dtype).contiguous(), v.to(recent.v.dtype).contiguous()
-        key_mean = cache.key_mean.contiguous()
-        layer.dense = ctypes.pointer(abi.DenseTokens(
-            recent.staging_of.data_ptr(), recent.k.data_ptr(), recent.v.data_ptr(), k.data_ptr(), v.data_ptr(),
-            key_mean.data_ptr(), recent.tokens, recent.sinks, int(recent.k.dtype == torch.bfloat16)))
+        dense = window_tokens(cache)
+        dense.own_k, dense.own_v = k.data_ptr(), v.data_ptr()
+        layer.dense = ctypes.pointer(dense)
     batch = decode_batch(len(lens), tables, lens)
     status = lib.turboquant_paged_attention(layer, batch, q.data_ptr(), out.data_ptr())
     return out if status == 0 else None
+
+
+def turboquant_layer(cache: TurboQuantLayerCache, group: int, scale: float,
+                     window: int | None) -> abi.TurboQuantAttention:
+    """The kernel's description of a layer's codes, one query row per sequence, no 16-bit window; what it
+    points to lives as long as the cache (its calibrated constants are cached on it)."""
+    to_keys, back = cache.decode_maps
+    heads, dim = cache.key_mean.shape
+    keys, values = _code_rows(cache.k, cache.key_quantizer), _code_rows(cache.v, cache.value_quantizer)
+    return abi.TurboQuantAttention(keys, values, to_keys.data_ptr(), back.data_ptr(), None, None, window or 0,
+                                   heads, group, dim, cache.block_size, scale)
+
+
+def window_tokens(cache: TurboQuantLayerCache) -> abi.DenseTokens:
+    """The kernel's description of a layer's 16-bit window (its staged blocks; the step's own tokens unset)."""
+    recent = cache.window
+    return abi.DenseTokens(recent.staging_of.data_ptr(), recent.k.data_ptr(), recent.v.data_ptr(), None, None,
+                           cache.key_mean.data_ptr(), recent.tokens, recent.sinks,
+                           int(recent.k.dtype == torch.bfloat16))
 
 
 def _expand(cache: TurboQuantLayerCache, chunk: PrefillChunk, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,12 +190,10 @@ _DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the 16-bit window's dtypes th
 
 def _runs(q: torch.Tensor, cache: TurboQuantLayerCache, lib: abi.Kernels) -> bool:
     recent = cache.window
-    return (q.device.type == "cpu" and _has_slack(cache.k, lib) and _has_slack(cache.v, lib)
-            and (recent is None or recent.k.dtype in _DENSE_DTYPES))
+    return q.device.type == "cpu" and has_slack(cache, lib) and (recent is None or recent.k.dtype in _DENSE_DTYPES)
 
 
-def _has_slack(rows: torch.Tensor, lib: abi.Kernels) -> bool:
+def has_slack(cache: TurboQuantLayerCache, lib: abi.Kernels) -> bool:
     """The kernel's wide loads may run past the last row (turboquant_cache.row_slack)."""
-    return rows.untyped_storage().nbytes() - rows.storage_offset() - rows.numel() >= lib.turboquant_row_slack
-
-
+    return all(rows.untyped_storage().nbytes() - rows.storage_offset() - rows.numel() >= lib.turboquant_row_slack
+               for rows in (cache.k, cache.v))

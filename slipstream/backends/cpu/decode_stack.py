@@ -21,9 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.attention.metadata import get_metadata
+from slipstream.attention.turboquant import place_staging
 from slipstream.backends.cpu import abi
+from slipstream.backends.cpu.attention import has_slack, turboquant_layer, window_tokens
 from slipstream.backends.cpu.linear import GemmPolicy
 from slipstream.kvcache.cache import LayerKVCache
+from slipstream.kvcache.recent_window import Staging
+from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache, native_encoder
 from slipstream.layers.linear import Linear
 
 
@@ -34,25 +38,57 @@ def packed_weight(linear: nn.Module, lib: abi.Kernels) -> abi.Weight | None:
     return linear.method.weight_struct(linear, lib)
 
 
-def _layer(layer: nn.Module, lib: abi.Kernels) -> abi.Layer | None:
+def _layer(layer: nn.Module, lib: abi.Kernels) -> tuple[abi.Layer, abi.TurboQuantLayer | None] | None:
     """The C description of a llama decoder layer (input_layernorm, self_attn,
-    post_attention_layernorm, gated mlp) bound to its KV cache, or None if it does not fit."""
+    post_attention_layernorm, gated mlp) bound to its KV cache (and, for a TurboQuant cache, its own
+    description, which the layer points to), or None if it does not fit."""
     attn, mlp = layer.self_attn, layer.mlp
     cache = attn.attn.kv_cache
     projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
     weights = [packed_weight(m, lib) for m in projections]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if (None in weights or attn.qk_norm or getattr(mlp, "act", None) is not F.silu or not _dense_bf16(cache)
+    if (None in weights or attn.qk_norm or getattr(mlp, "act", None) is not F.silu
             or any(w.dtype != torch.bfloat16 for w in norms) or attn.rotary.cos.dtype != torch.float32
             or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
         return None
-    heads, num_blocks, block_size, head_dim = cache.k.shape
-    if (attn.attn.num_heads // heads > lib.paged_attention_max_group or head_dim > lib.paged_attention_max_head_dim
-            or block_size > lib.paged_attention_max_block):
+    turboquant = _turboquant_layer(attn.attn, cache, lib) if isinstance(cache, TurboQuantLayerCache) else None
+    if turboquant is None and not _dense_bf16(cache, attn.attn.num_heads, lib):
         return None
-    return abi.Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, cache.k.data_ptr(), cache.v.data_ptr(),
-                  num_blocks, attn.attn.sliding_window or 0, block_size, attn.attn.num_heads, heads, head_dim,
-                  norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.attn.scale)
+    if turboquant is None:
+        heads, num_blocks, block_size, head_dim = cache.k.shape
+        k_cache, v_cache = cache.k.data_ptr(), cache.v.data_ptr()
+    else:
+        (num_blocks, block_size, heads, _), head_dim = cache.k.shape, cache.key_mean.shape[1]
+        k_cache = v_cache = None
+    return abi.Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights,
+                     None if turboquant is None else ctypes.pointer(turboquant), k_cache, v_cache,
+                     num_blocks, attn.attn.sliding_window or 0, block_size, attn.attn.num_heads, heads, head_dim,
+                     norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.attn.scale), turboquant
+
+
+def _dense_bf16(cache, num_heads: int, lib: abi.Kernels) -> bool:
+    if not (isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and cache.k.device.type == "cpu"):
+        return False
+    heads, _, block_size, head_dim = cache.k.shape
+    return (num_heads // heads <= lib.paged_attention_max_group and head_dim <= lib.paged_attention_max_head_dim
+            and block_size <= lib.paged_attention_max_block)
+
+
+def _turboquant_layer(attention: nn.Module, cache: TurboQuantLayerCache, lib: abi.Kernels) -> abi.TurboQuantLayer | None:
+    """A calibrated TurboQuant cache on the CPU, its window (if any) staged in bf16, in shapes the kernel serves."""
+    recent = cache.window
+    if (not cache.calibrated or cache.k.device.type != "cpu" or not has_slack(cache, lib)
+            or recent is not None and recent.k.dtype != torch.bfloat16):
+        return None
+    heads = cache.k.shape[2]
+    described = turboquant_layer(cache, attention.num_heads // heads, attention.scale, attention.sliding_window)
+    if lib.turboquant_attention_fits(described):
+        return None
+    return abi.TurboQuantLayer(
+        described, abi.DenseTokens() if recent is None else window_tokens(cache),
+        native_encoder(cache.k, cache.key_quantizer, cache.key_mean, cache.key_scale),
+        native_encoder(cache.v, cache.value_quantizer), ctypes.cast(lib.turboquant_paged_attention, ctypes.c_void_p),
+        ctypes.cast(lib.turboquant_encode, ctypes.c_void_p))
 
 
 class DecodeStack:
@@ -62,7 +98,7 @@ class DecodeStack:
 
     def __init__(self, layers: nn.ModuleList, policy: GemmPolicy):
         self.layers, self.policy = layers, policy
-        self._built: tuple[tuple, ctypes.Array | None] | None = None
+        self._built: tuple[tuple, tuple, ctypes.Array | None, list] | None = None
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Runs every layer on x in place and returns True when the step is one the stack
@@ -71,6 +107,8 @@ class DecodeStack:
         step = None if layers is None else decode_step(positions, x, self.layers[0].self_attn.rotary, self.policy)
         if step is None:
             return False
+        for staging in self._stagings():  # where the torch path's first TurboQuant layer places them
+            place_staging(staging, get_metadata())
         self.run(layers, step, x)
         return True
 
@@ -80,19 +118,23 @@ class DecodeStack:
         if lib is None:
             return None
         caches = tuple(layer.self_attn.attn.kv_cache for layer in self.layers)
-        if self._built is None or any(a is not b for a, b in zip(self._built[0], caches)):
-            structs = [_layer(layer, lib) for layer in self.layers]
-            self._built = (caches, None if None in structs else (abi.Layer * len(structs))(*structs))
-        return self._built[1]
+        calibrated = tuple(getattr(cache, "calibrated", True) for cache in caches)
+        if self._built is None or calibrated != self._built[1] or any(a is not b for a, b in zip(self._built[0], caches)):
+            described = [_layer(layer, lib) for layer in self.layers]
+            layers = None if None in described else (abi.Layer * len(described))(*(d[0] for d in described))
+            # the TurboQuant descriptions stay alive beside the array that points to them
+            self._built = (caches, calibrated, layers, [d[1] for d in described if d])
+        return self._built[2]
+
+    def _stagings(self) -> list[Staging]:
+        """The 16-bit windows' placements of the TurboQuant layers, each once."""
+        windows = (getattr(layer.self_attn.attn.kv_cache, "window", None) for layer in self.layers)
+        return list({id(w.staging): w.staging for w in windows if w is not None}.values())
 
     @staticmethod
     def run(layers: ctypes.Array, step: abi.Step, x: torch.Tensor) -> None:
         if abi.kernels().decoder_layers_decode(layers, len(layers), step, x.data_ptr()) != 0:
             raise MemoryError(f"native decode could not allocate scratch for {x.shape[0]} tokens")
-
-
-def _dense_bf16(cache) -> bool:
-    return isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and cache.k.device.type == "cpu"
 
 
 def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module, policy: GemmPolicy) -> abi.Step | None:

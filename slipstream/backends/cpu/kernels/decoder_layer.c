@@ -16,6 +16,7 @@
 #include "norm.c"
 #include "paged_attention.c"
 #include "rotary.c"
+#include "turboquant.h"
 
 enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 };
 
@@ -29,9 +30,23 @@ typedef struct {
     int64_t n;
 } Weight;
 
+// A layer whose cache holds TurboQuant codes (kvcache/turboquant_cache.py), with the kernels of
+// turboquant_attention.c and turboquant_encode.c, built as their own libraries and passed in as functions. The
+// fields that change with each step (the encoders' rows, slots and tokens; the 16-bit window's own tokens) are
+// filled per call, as is attention.dense: the window below, whose staged blocks are bf16, unless its staging_of is
+// NULL (codes alone).
+typedef struct {
+    TurboQuantAttention attention;
+    DenseTokens window;
+    TurboQuantEncode keys, values;
+    int (*attend)(const TurboQuantAttention *, const DecodeBatch *, const float *, float *);
+    int (*encode)(const TurboQuantEncode *);
+} TurboQuantLayer;
+
 typedef struct {
     const uint16_t *input_norm, *post_attention_norm;
     Weight qkv, o, gate_up, down;
+    const TurboQuantLayer *turboquant;  // NULL: the bf16 cache below
     uint16_t *k_cache, *v_cache;  // [kv_heads, num_blocks, block_size, head_dim]
     int64_t num_blocks, window;   // window: 0, or the sliding window of the layer
     int32_t block_size, q_heads, kv_heads, head_dim, hidden, intermediate;
@@ -49,7 +64,8 @@ typedef struct {
 
 // Read by backends/cpu/abi.py: the weight kinds, and the sizes its mirrors of the structs are checked against.
 const int32_t weight_kind_bf16 = WEIGHT_BF16, weight_kind_int8 = WEIGHT_INT8, weight_kind_int4 = WEIGHT_INT4;
-const int32_t sizeof_Weight = sizeof(Weight), sizeof_Layer = sizeof(Layer), sizeof_Step = sizeof(Step);
+const int32_t sizeof_Weight = sizeof(Weight), sizeof_Layer = sizeof(Layer), sizeof_Step = sizeof(Step),
+              sizeof_TurboQuantLayer = sizeof(TurboQuantLayer);
 
 // The multiple of K each kind's AMX kernel tiles (gemm.c); other layers keep the AVX-512 loops.
 static int amx_tiles(int32_t kind, int64_t k) { return k % (kind == WEIGHT_INT8 ? 64 : 32) == 0; }
@@ -72,6 +88,54 @@ static void add_residual(uint16_t *x, const uint16_t *delta, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(delta[i]));
 }
 
+// The torch path's attention/turboquant.py for decode tokens, rounding where it rounds: K/V (after rotary, bf16)
+// widened to float32 and encoded into their code rows; those whose block has staging copied there too (placed by
+// Staging.assign before the step); then the kernel on float32 queries, its output rounded to bf16.
+static int turboquant_attention(const Layer *l, const Step *s, const uint16_t *qkv, uint16_t *attn) {
+    const TurboQuantLayer *tq = l->turboquant;
+    int64_t m = s->tokens, dim = l->head_dim, q_size = l->q_heads * dim, kv_size = l->kv_heads * dim;
+    int64_t width = q_size + 2 * kv_size;
+    float *buffer = malloc(sizeof(float) * m * (2 * q_size + 2 * kv_size));
+    uint16_t *own = malloc(sizeof(uint16_t) * m * 2 * kv_size);
+    if (!buffer || !own) return free(buffer), free(own), -1;
+    float *q = buffer, *out = q + m * q_size, *k = out + m * q_size, *v = k + m * kv_size;
+    for (int64_t t = 0; t < m; t++) {
+        const uint16_t *row = qkv + t * width;
+        for (int64_t i = 0; i < q_size; i++) q[t * q_size + i] = bf16_to_float(row[i]);
+        for (int64_t i = 0; i < kv_size; i++) {
+            k[t * kv_size + i] = bf16_to_float(row[q_size + i]);
+            v[t * kv_size + i] = bf16_to_float(row[q_size + kv_size + i]);
+        }
+        memcpy(own + t * kv_size, row + q_size, sizeof(uint16_t) * kv_size);
+        memcpy(own + (m + t) * kv_size, row + q_size + kv_size, sizeof(uint16_t) * kv_size);
+    }
+    TurboQuantEncode keys = tq->keys, values = tq->values;
+    keys.x = k, values.x = v;
+    keys.slots = values.slots = s->slots;
+    keys.tokens = values.tokens = m;
+    keys.threads = values.threads = s->threads;
+    int status = tq->encode(&keys) || tq->encode(&values) ? -1 : 0;
+    DenseTokens window = tq->window;
+    TurboQuantAttention attention = tq->attention;
+    if (window.staging_of) {
+        window.own_k = own, window.own_v = own + m * kv_size;
+        attention.dense = &window;
+        for (int64_t t = 0; t < m; t++) {  // RecentWindow.write
+            int64_t block = s->slots[t] / l->block_size, staging = window.staging_of[block];
+            if (staging < 0) continue;
+            int64_t row = (staging * l->block_size + s->slots[t] % l->block_size) * kv_size;
+            memcpy((uint16_t *)window.staged_k + row, own + t * kv_size, sizeof(uint16_t) * kv_size);
+            memcpy((uint16_t *)window.staged_v + row, own + (m + t) * kv_size, sizeof(uint16_t) * kv_size);
+        }
+    }
+    DecodeBatch batch = {m, s->block_tables, s->context_lens, s->max_blocks, s->threads};
+    status = status || tq->attend(&attention, &batch, q, out) ? -1 : 0;
+    for (int64_t i = 0; !status && i < m * q_size; i++) attn[i] = float_to_bf16(out[i]);
+    free(buffer);
+    free(own);
+    return status;
+}
+
 static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t *normed, uint16_t *qkv,
                            uint16_t *q, uint16_t *attn, uint16_t *delta) {
     int64_t m = s->tokens, q_size = (int64_t)l->q_heads * l->head_dim, kv_size = (int64_t)l->kv_heads * l->head_dim;
@@ -80,13 +144,17 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
     if (project(&l->qkv, s, normed, qkv, l->hidden)) return -1;
     rotary_bf16(qkv, qkv + q_size, width, m, l->q_heads, l->kv_heads, l->head_dim, s->cos, s->sin, s->positions,
                 s->threads);
-    cache_write_bf16(qkv + q_size, qkv + q_size + kv_size, l->k_cache, l->v_cache, s->slots, m, width, l->kv_heads,
-                     l->head_dim, l->num_blocks * l->block_size);
-    for (int64_t t = 0; t < m; t++) memcpy(q + t * q_size, qkv + t * width, q_size * sizeof(uint16_t));
-    if (paged_decode_attention_bf16(q, l->k_cache, l->v_cache, s->block_tables, s->context_lens, attn, (int)m,
-                                    l->q_heads, l->kv_heads, l->head_dim, l->num_blocks, l->block_size,
-                                    s->max_blocks, l->scale, l->window, s->threads))
-        return -1;
+    if (l->turboquant) {
+        if (turboquant_attention(l, s, qkv, attn)) return -1;
+    } else {
+        cache_write_bf16(qkv + q_size, qkv + q_size + kv_size, l->k_cache, l->v_cache, s->slots, m, width,
+                         l->kv_heads, l->head_dim, l->num_blocks * l->block_size);
+        for (int64_t t = 0; t < m; t++) memcpy(q + t * q_size, qkv + t * width, q_size * sizeof(uint16_t));
+        if (paged_decode_attention_bf16(q, l->k_cache, l->v_cache, s->block_tables, s->context_lens, attn, (int)m,
+                                        l->q_heads, l->kv_heads, l->head_dim, l->num_blocks, l->block_size,
+                                        s->max_blocks, l->scale, l->window, s->threads))
+            return -1;
+    }
     if (project(&l->o, s, attn, delta, q_size)) return -1;
     add_residual(x, delta, m * l->hidden);
     return 0;

@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "decode_batch.h"
+#include "turboquant.h"
 
 #define MAX_GROUP 16
 #define MAX_WIDTH 512  // code-space width: head_dim, or 2 * head_dim for QJL keys
@@ -33,40 +34,6 @@
 #define MAX_PIECES 4
 #define MAX_VECTORS 32 // query vectors (rows x group) of a tile: a multiple of VW, the lanes of its scores
 #define ROW_SLACK 16   // bytes a decoder may read past a row's end (the AVX-512 path's 16-byte load)
-
-// K or V codes: the cache [num_blocks, block_size, kv_heads, bytes] uint8 and its row layout
-// (TurboQuantizer.row_layout): `count` pieces as [count][5] ints (offset, bits, codes, norm_at, gamma_at;
-// byte offsets in the row, gamma_at < 0: no gamma) and [count][17] floats (factor, then the 16 code values).
-typedef struct {
-    const uint8_t *cache;
-    const int32_t *pieces;
-    const float *values;
-    int32_t count, bytes, width;  // pieces, bytes per row, code-space width
-} CodeRows;
-
-// The recent/sink window's 16-bit tokens (kvcache/recent_window.py): per physical block its staging block
-// or -1, the staged K/V [staging blocks, block_size, heads, dim] and the step's own K/V [query rows, heads, dim],
-// both bf16 (bf16 = 1) or float32; codes hold k - key_mean ([heads, dim]), so 16-bit keys are read as k - mean.
-typedef struct {
-    const int64_t *staging_of;
-    const void *staged_k, *staged_v, *own_k, *own_v;
-    const float *key_mean;
-    int64_t recent, sinks;
-    int32_t bf16;
-} DenseTokens;
-
-// One layer. to_keys: [kv_heads, dim, keys.width] maps a query into key code space (rotation, QJL projection,
-// key scale), back: [kv_heads, values.width, dim] maps value code space back to channels
-// (TurboQuantLayerCache.decode_maps); scores are scaled by `scale`.
-typedef struct {
-    CodeRows keys, values;
-    const float *to_keys, *back;
-    const DenseTokens *dense;  // NULL: every token is read from its codes
-    const int64_t *query_start;  // NULL: one query row per sequence, else [batch + 1]: sequence b's rows in q
-    int64_t window;            // > 0 limits each query to its last `window` tokens (sliding-window layers)
-    int32_t kv_heads, group, dim, block_size;
-    float scale;
-} TurboQuantAttention;
 
 // Read by backends/cpu/abi.py: the slack the cache allocates after its last row, and the sizes its
 // mirrors of the structs are checked against.
@@ -676,6 +643,25 @@ static void attend_rows(const TurboQuantAttention *a, const Step *st, AttendFn *
     }
 }
 
+// The layer's row layouts, or -1 where a shape or layout is beyond this kernel.
+static int layouts(const TurboQuantAttention *a, Layout *keys, Layout *values) {
+    const CodeRows *k = &a->keys, *v = &a->values;
+    if (make_layout(keys, k->pieces, k->values, k->count, k->width, k->bytes) ||
+        make_layout(values, v->pieces, v->values, v->count, v->width, v->bytes))
+        return -1;
+    return a->group > MAX_GROUP || k->width > MAX_WIDTH || v->width > MAX_WIDTH / 2 || a->dim > MAX_WIDTH / 2 ||
+                   a->block_size > MAX_BLOCK
+               ? -1
+               : 0;
+}
+
+// 0 where turboquant_paged_attention serves this layer, else -1: asked before a caller that cannot fall back
+// (decoder_layer.c) takes it.
+int turboquant_attention_fits(const TurboQuantAttention *a) {
+    Layout keys, values;
+    return layouts(a, &keys, &values);
+}
+
 // q, out: [query rows, kv_heads, group, dim] float32, each sequence's rows in order (a->query_start; NULL: one
 // each). Returns 0, or -1 when a shape or layout is beyond this kernel (caller falls back).
 int turboquant_paged_attention(const TurboQuantAttention *a, const DecodeBatch *batch, const float *q, float *out) {
@@ -685,14 +671,8 @@ int turboquant_paged_attention(const TurboQuantAttention *a, const DecodeBatch *
                .staged_k = tokens->staged_k, .staged_v = tokens->staged_v, .own_k = tokens->own_k,
                .own_v = tokens->own_v, .bf16 = tokens->bf16, .recent = tokens->recent, .sinks = tokens->sinks,
                .key_mean = tokens->key_mean};
-    const CodeRows *k = &a->keys, *v = &a->values;
-    if (make_layout(&st.keys, k->pieces, k->values, k->count, k->width, k->bytes) ||
-        make_layout(&st.values, v->pieces, v->values, v->count, v->width, v->bytes))
-        return -1;
+    if (layouts(a, &st.keys, &st.values)) return -1;
     int group = a->group, kv_heads = a->kv_heads;
-    if (group > MAX_GROUP || k->width > MAX_WIDTH || v->width > MAX_WIDTH / 2 || a->dim > MAX_WIDTH / 2 ||
-        a->block_size > MAX_BLOCK)
-        return -1;
     AttendFn *const specialised[] = {attend_group, attend_1, attend_2, attend_3, attend_4};
     AttendFn *attend = specialised[group <= 4 ? group : 0];
     const int64_t *starts = a->query_start;

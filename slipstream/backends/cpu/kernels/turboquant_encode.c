@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "turboquant.h"
+
 #define MAX_DIM 256
 #define MAX_GROUPS 2
 
@@ -77,22 +79,6 @@ static uint8_t *encode_group(const Group *g, const float *x, uint8_t *dst) {
 static void free_rotations(Group *groups, int count) {
     for (int i = 0; i < count; i++) free((void *)groups[i].rotation_t);
 }
-
-// One call's rows and the quantizer's tables. Row (token t, head h) of x goes to
-// cache + (slots[t] * heads + h) * nbytes.
-typedef struct {
-    const float *x;             // [tokens, heads, dim] float32
-    const float *mean, *scale;  // NULL, or [heads, dim]: x is quantized as (x - mean) / scale (keys:
-                                // TurboQuantLayerCache.scaled_keys)
-    const int64_t *order;       // NULL, or [heads, dim]: the channel order per head (outlier group first)
-    const int32_t *group_info;  // [count, 4]: dim, mse bits, qjl, norm correction
-    const float *constants;     // per group its rotation (dim x dim), centroids, boundaries, and for QJL its
-                                // residual-to-sketch matrix (dim x dim), back to back
-    const int64_t *slots;       // [tokens]
-    uint8_t *cache;
-    int64_t tokens;
-    int32_t count, heads, dim, nbytes, threads;
-} TurboQuantEncode;
 
 // Read by backends/cpu/abi.py, which checks its mirror of the struct against it.
 const int32_t sizeof_TurboQuantEncode = sizeof(TurboQuantEncode);
