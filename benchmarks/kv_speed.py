@@ -3,8 +3,8 @@
 Rows (the dtypes alternated within each of --repeats rounds; medians; bf16 model weights):
 - prefill 8k: one 8,000-token prompt on SmolLM2 in the engine's default chunks, so that every chunk after the
   first attends to a compressed prefix: seconds, and the bf16 cache's time over this one's;
-- batch 16 x 4k: 16 sequences of 4,096 prompt tokens on SmolLM2 decoding together: tok/s over the steps after
-  every prompt is in the cache (the first round prefills; later rounds hit the prefix cache);
+- batch 16 x 4k: 16 sequences of 4,096 prompt tokens on SmolLM2 decoding together: tok/s over the steps in which
+  all of them decode (the first round prefills and is not counted; later rounds hit the prefix cache);
 - batch 4 x 16k: the same with 4 sequences of 16,384 tokens on Gemma 3 270M (its global layers read it all);
 - one short: one sequence of 128 prompt tokens on SmolLM2 (TurboQuant must not cost where memory is plenty).
 
@@ -14,6 +14,7 @@ Rows (the dtypes alternated within each of --repeats rounds; medians; bf16 model
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -49,18 +50,19 @@ def prefill_seconds(llm: LLM, row: str, round_: int) -> float:
 
 
 def decode_rate(llm: LLM, row: str, round_: int) -> float:
-    """tok/s of the tokens generated after the last prompt is in the cache; the same prompts every round."""
-    seqs = ROWS[row][1]
+    """tok/s of the steps in which every sequence decodes (none prefilling, none finished); the same prompts
+    every round, so that later rounds find them in the prefix cache and decode in step."""
+    seqs, decode = ROWS[row][1], ROWS[row][3]
     engine = llm.engine
     for i, ids in enumerate(prompts(row, 0)):
-        engine.add_request(f"{round_}-{i}", ids, SamplingParams(max_tokens=ROWS[row][3], ignore_eos=True))
-    tokens: dict[str, int] = {}
-    while len(tokens) < seqs:  # prefill (or prefix hits), up to every sequence's first token
-        tokens |= {out.request_id: len(out.outputs[0].token_ids) for out in engine.step() if out.outputs[0].token_ids}
-    before, start = sum(tokens.values()), clock()
+        engine.add_request(f"{round_}-{i}", ids, SamplingParams(max_tokens=decode, ignore_eos=True))
+    tokens, seconds = 0, 0.0
     while engine.has_unfinished_requests():
-        tokens |= {out.request_id: len(out.outputs[0].token_ids) for out in engine.step()}
-    return (sum(tokens.values()) - before) / (clock() - start)
+        start = clock()
+        outputs = engine.step()
+        if len(outputs) == seqs and all(len(out.outputs[0].token_ids) > 1 for out in outputs):
+            tokens, seconds = tokens + seqs, seconds + clock() - start
+    return tokens / seconds if tokens else math.nan  # the first round's prefills leave no such step
 
 
 def main() -> None:

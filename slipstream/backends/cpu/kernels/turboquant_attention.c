@@ -180,18 +180,16 @@ static inline __attribute__((always_inline)) void score_row(const Layout *kl, co
     for (int g = 0; g < group; g++) scores[g] = vsum(total[g]);
 }
 
-// acc[g] += sum over the n rows of weights[r][g] * scale of the row's piece * value row, for `group` heads
+// acc[g] += sum over the n rows of weights[r][g] * scales[piece][r] * the piece's codes, for `group` heads
 // (acc: [group][width]). Codes outer, rows inner: the accumulators stay in registers for a whole block.
 static inline __attribute__((always_inline)) void accumulate_rows(const Layout *vl, const uint8_t *const *rows,
-                                                                  int n, float weights[][MAX_GROUP], int group,
-                                                                  float *acc) {
+                                                                  int n, float weights[][MAX_GROUP],
+                                                                  float scales[][MAX_BLOCK], int group, float *acc) {
     for (int p = 0, at = 0; p < vl->count; at += vl->pieces[p].count, p++) {
         const Piece *piece = &vl->pieces[p];
         float w[MAX_BLOCK][MAX_GROUP];
-        for (int r = 0; r < n; r++) {
-            float s = piece_scale(piece, rows[r]);
-            for (int g = 0; g < group; g++) w[r][g] = weights[r][g] * s;
-        }
+        for (int r = 0; r < n; r++)
+            for (int g = 0; g < group; g++) w[r][g] = weights[r][g] * scales[p][r];
         for (int i = 0; i < piece->count; i += VW) {
             const int byte = piece->offset + piece->bits * i / 8;
             vec sum[MAX_GROUP];
@@ -255,6 +253,33 @@ static inline int read_dense(const Step *st, const int64_t *table, int64_t t, in
            (t == query || st->staging_of[table[t / st->block_size]] >= 0);
 }
 
+// The largest of x[0..n) and init, in four independent chains (one chain waited on each compare's latency; the
+// compiler vectorizes no float max without -ffast-math).
+static inline float max_of(const float *x, int n, float init) {
+    float m[4] = {init, init, init, init};
+    int r = 0;
+    for (; r + 4 <= n; r += 4)
+        for (int j = 0; j < 4; j++) m[j] = x[r + j] > m[j] ? x[r + j] : m[j];
+    for (; r < n; r++) m[0] = x[r] > m[0] ? x[r] : m[0];
+    float a = m[0] > m[1] ? m[0] : m[1], b = m[2] > m[3] ? m[2] : m[3];
+    return a > b ? a : b;
+}
+
+// Blocks are wherever the block table puts them, so the hardware prefetchers lose the stream at every block edge
+// and the first rows of a block stalled the decode loop on memory: the rows of the block PREFETCH ahead are asked
+// for while this one is scored.
+#define PREFETCH 2
+static inline void prefetch_block(const uint8_t *k_head, const uint8_t *v_head, int64_t slot0, int bs,
+                                  int64_t k_stride, int64_t v_stride, int k_bytes, int v_bytes) {
+    for (int t = 0; t < bs; t++) {
+        const uint8_t *k = k_head + (slot0 + t) * k_stride, *v = v_head + (slot0 + t) * v_stride;
+        __builtin_prefetch(k);
+        __builtin_prefetch(k + k_bytes - 1);
+        __builtin_prefetch(v);
+        __builtin_prefetch(v + v_bytes - 1);
+    }
+}
+
 // One (sequence, KV head h) of a single query row: q [group][k_width] in key code space, q_channels [group][dim] as
 // given, `own` the row of the query's own token in DenseTokens' own_k/own_v.
 // Writes the normalised sums: in value code space to sums [group][v_width], of 16-bit tokens to dense [group][dim].
@@ -267,7 +292,7 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
     int64_t k_stride = (int64_t)st->heads * kl->bytes, v_stride = (int64_t)st->heads * vl->bytes;
     const uint8_t *k_head = st->k + (int64_t)h * kl->bytes, *v_head = st->v + (int64_t)h * vl->bytes;
     float acc[MAX_GROUP * MAX_WIDTH / 2], m[MAX_GROUP], l[MAX_GROUP], mean_score[MAX_GROUP];
-    float s[MAX_GROUP][MAX_BLOCK], p[MAX_BLOCK][MAX_GROUP], row[MAX_WIDTH];
+    float s[MAX_GROUP][MAX_BLOCK], p[MAX_BLOCK][MAX_GROUP], row[MAX_WIDTH], v_scales[MAX_PIECES][MAX_BLOCK];
     const uint8_t *rows[MAX_BLOCK];
     const void *dense_v[MAX_BLOCK];
     int64_t dense_row[MAX_BLOCK];
@@ -286,12 +311,17 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
         int lo = first < start ? (int)(start - first) : 0;
         int hi = end - first < bs ? (int)(end - first) : bs;
         int n = 0, nd = 0;  // tokens read from codes (s[][0..n), rows) and in 16 bits (s[][n..n+nd), dense_*)
+        if (first + PREFETCH * bs < end) prefetch_block(k_head, v_head, table[first / bs + PREFETCH] * bs, bs,
+                                                        k_stride, v_stride, kl->bytes, vl->bytes);
         for (int t = lo; t < hi; t++) {
             if (read_dense(st, table, first + t, end - 1)) continue;
             float scores[MAX_GROUP];
             score_row(kl, k_head + (slot0 + t) * k_stride, q, group, st->scale, scores);
             for (int g = 0; g < group; g++) s[g][n] = scores[g];
-            rows[n++] = v_head + (slot0 + t) * v_stride;
+            rows[n] = v_head + (slot0 + t) * v_stride;
+            // the value row's scales read here, where the scoring around them hides the first touch of the row
+            for (int p = 0; p < vl->count; p++) v_scales[p][n] = piece_scale(&vl->pieces[p], rows[n]);
+            n++;
         }
         for (int t = lo; t < hi; t++) {
             int64_t pos = first + t;
@@ -314,8 +344,7 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
         }
         if (!n && !nd) continue;
         for (int g = 0; g < group; g++) {
-            float block_max = m[g], sum = 0.f;
-            for (int r = 0; r < n + nd; r++) block_max = s[g][r] > block_max ? s[g][r] : block_max;
+            float block_max = max_of(s[g], n + nd, m[g]), sum = 0.f;
             float correction = exp_nonpositive(m[g] - block_max);
             m[g] = block_max;
             for (int r = 0; r < n + nd; r++) {
@@ -327,7 +356,7 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
             for (int d = 0; d < dim; d++) dense[g * dim + d] *= correction;
             for (int r = 0; r < n; r++) p[r][g] = s[g][r];
         }
-        accumulate_rows(vl, rows, n, p, group, acc);
+        accumulate_rows(vl, rows, n, p, v_scales, group, acc);
         for (int r = 0; r < nd; r++) {
             load_row(dense_v[r], dense_row[r], dim, st->bf16, row);
             for (int g = 0; g < group; g++)
