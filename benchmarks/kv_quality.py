@@ -11,7 +11,6 @@ vs bits.
 
     python benchmarks/kv_quality.py [--tokens 1024] [--out benchmarks/out] [--skip-speed] [--rows NAME ...]
     python benchmarks/kv_quality.py --speed-only [--rows NAME ...] [--repeats 2] [--threads 1 --clock cpu]
-    python benchmarks/kv_quality.py --prefill-only --context 8000 [--rows NAME ...] [--threads 1 --clock cpu]
 """
 from __future__ import annotations
 
@@ -109,35 +108,21 @@ def decode_speed(kv_dtype: str, recent: int, sinks: int, context: int, new_token
     return (new_tokens - 1) / (clock() - start)
 
 
-def prefill_time(kv_dtype: str, recent: int, sinks: int, context: int) -> float:
-    """Seconds (by `clock`) to prefill one `context`-token prompt in the engine's default 1,024-token chunks:
-    every chunk after the first attends to a compressed prefix."""
-    llm = LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_recent_tokens=recent,
-              kv_cache_sink_tokens=sinks, max_num_seqs=4, max_model_len=8192, kv_cache_memory=2**30)
-    prompt = torch.randint(100, 49152, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    start = clock()
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    return clock() - start
-
-
-def speed_only(names: list[str], context: int, repeats: int, measure=decode_speed, unit: str = "tok/s") -> None:
-    """Decode speed (or, with `measure=prefill_time`, prefill time) alone, the rows alternated `repeats` times;
-    each row's best and median."""
+def speed_only(names: list[str], context: int, repeats: int) -> None:
+    """Decode speed alone, the rows alternated `repeats` times; each row's best and median (prefill and
+    long-context decode: benchmarks/kv_speed.py)."""
     specs = {_name(*spec): spec for spec in [(d, 0, 0, 0) for d in DTYPES] + KNOBS}
     speeds: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(repeats):
         for name in names:
             kv_dtype, _, recent, sinks = specs[name]
-            speeds[name].append(measure(kv_dtype, recent, sinks, context))
-            print(f"repeat {repeat} {name:22s} {speeds[name][-1]:6.2f} {unit}", flush=True)
-    rate = unit == "tok/s"  # else a time: bf16 / this is the speed ratio
-    best = {name: (max if rate else min)(s) for name, s in speeds.items()}
+            speeds[name].append(decode_speed(kv_dtype, recent, sinks, context))
+            print(f"repeat {repeat} {name:22s} {speeds[name][-1]:6.2f} tok/s", flush=True)
+    best = {name: max(s) for name, s in speeds.items()}
     median = {name: statistics.median(s) for name, s in speeds.items()}
-    what = "decode" if rate else "prefill"
-    print(f"\n| kv_cache_dtype | {what} @{context} {unit}, best / median of {repeats} | vs bf16 |\n|---|---|---|")
-    ratio = lambda x, bf16: x / bf16 if rate else bf16 / x
+    print(f"\n| kv_cache_dtype | decode @{context} tok/s, best / median of {repeats} | vs bf16 |\n|---|---|---|")
     for name in names:
-        rel = (f"{ratio(best[name], best['bfloat16']):.2f}x / {ratio(median[name], median['bfloat16']):.2f}x"
+        rel = (f"{best[name] / best['bfloat16']:.2f}x / {median[name] / median['bfloat16']:.2f}x"
                if "bfloat16" in speeds else "")
         print(f"| {name} | {best[name]:.2f} / {median[name]:.2f} | {rel} |")
 
@@ -150,8 +135,7 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--rows", nargs="*", help="only these rows, by name, in this order")
     parser.add_argument("--speed-only", action="store_true", help="decode speed of --rows alone, alternated")
-    parser.add_argument("--prefill-only", action="store_true", help="prefill time of --rows alone, alternated")
-    parser.add_argument("--repeats", type=int, default=2, help="with --speed-only/--prefill-only: rounds over the rows")
+    parser.add_argument("--repeats", type=int, default=2, help="with --speed-only: rounds over the rows")
     parser.add_argument("--threads", type=int, help="torch (and native kernel) threads")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: process CPU time, for a shared machine (only meaningful with --threads 1)")
@@ -160,9 +144,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    if args.speed_only or args.prefill_only:
-        measure, unit = (decode_speed, "tok/s") if args.speed_only else (prefill_time, "s")
-        speed_only(args.rows or SPEED, args.context, args.repeats, measure, unit)
+    if args.speed_only:
+        speed_only(args.rows or SPEED, args.context, args.repeats)
         return
     specs = {_name(*spec): spec for spec in [(d, 0, 0, 0) for d in DTYPES] + KNOBS}
     _, reference, base_ppl, _ = quality("float32", 0, 0, 0, _ids(args.tokens), None)

@@ -92,8 +92,8 @@ def test_native_decode_over_turboquant_matches_the_per_kernel_path(gemm_isa, tmp
 def test_float32_caches_keep_the_torch_path(gemm_isa, tiny_llama, monkeypatch):
     calls = _count_calls(monkeypatch)
     llm = LLM(tiny_llama, dtype="float32")
-    outputs = llm.generate(random_prompts(2, 3, 8, seed=1), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                           use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate(random_prompts(2, 3, 8, seed=1), params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs) and calls[0] == 0
 
 

@@ -8,7 +8,9 @@ description of the step (positions, slots, block tables) built once from its met
 
 It serves steps where every token decodes (no prefill chunk), up to the policy's bound on tokens,
 in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8
-or int4), no biases, no q/k norms, a SiLU MLP and a dense bf16 KV cache; anything else
+or int4), no biases, no q/k norms, a SiLU MLP and a dense bf16 KV cache or a calibrated
+TurboQuant cache (whose 16-bit window, if any, is staged in bf16; the C code calls the
+TurboQuant kernels, and the window's placement is decided here once per step); anything else
 returns None and takes the torch path, which stays the reference this one is tested against.
 The GEMMs take the kernels the backend's GemmPolicy picks for the step's number of tokens.
 """
@@ -74,7 +76,8 @@ def _dense_bf16(cache, num_heads: int, lib: abi.Kernels) -> bool:
             and block_size <= lib.paged_attention_max_block)
 
 
-def _turboquant_layer(attention: nn.Module, cache: TurboQuantLayerCache, lib: abi.Kernels) -> abi.TurboQuantLayer | None:
+def _turboquant_layer(attention: nn.Module, cache: TurboQuantLayerCache,
+                      lib: abi.Kernels) -> abi.TurboQuantLayer | None:
     """A calibrated TurboQuant cache on the CPU, its window (if any) staged in bf16, in shapes the kernel serves."""
     recent = cache.window
     if (not cache.calibrated or cache.k.device.type != "cpu" or not has_slack(cache, lib)
@@ -119,7 +122,8 @@ class DecodeStack:
             return None
         caches = tuple(layer.self_attn.attn.kv_cache for layer in self.layers)
         calibrated = tuple(getattr(cache, "calibrated", True) for cache in caches)
-        if self._built is None or calibrated != self._built[1] or any(a is not b for a, b in zip(self._built[0], caches)):
+        stale = self._built is None or calibrated != self._built[1]
+        if stale or any(a is not b for a, b in zip(self._built[0], caches)):
             described = [_layer(layer, lib) for layer in self.layers]
             layers = None if None in described else (abi.Layer * len(described))(*(d[0] for d in described))
             # the TurboQuant descriptions stay alive beside the array that points to them
