@@ -23,6 +23,7 @@ import time
 
 import torch
 
+import timing
 from slipstream import LLM, SamplingParams
 from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
@@ -136,14 +137,10 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", help="only these rows, by name, in this order")
     parser.add_argument("--speed-only", action="store_true", help="decode speed of --rows alone, alternated")
     parser.add_argument("--repeats", type=int, default=2, help="with --speed-only: rounds over the rows")
-    parser.add_argument("--threads", type=int, help="torch (and native kernel) threads")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: process CPU time, for a shared machine (only meaningful with --threads 1)")
+    timing.add_arguments(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     global clock
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = timing.clock_of(args)
     if args.speed_only:
         speed_only(args.rows or SPEED, args.context, args.repeats)
         return

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+import timing
 from slipstream import LLM, SamplingParams
 
 # row: (model, sequences, prompt tokens, decode tokens timed)
@@ -70,14 +71,10 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--dtypes", nargs="*", default=DTYPES)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, help="torch (and native kernel) threads")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: process CPU time, for a shared machine (only meaningful with --threads 1)")
+    timing.add_arguments(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     global clock
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = timing.clock_of(args)
     table = []
     for row in args.rows:
         engines = {dtype: build(row, dtype) for dtype in args.dtypes}

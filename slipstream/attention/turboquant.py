@@ -174,8 +174,8 @@ def _prefill_reads(k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache
                    window: int | None):
     """Which context tokens each of a chunk's queries reads from its codes, mask [n, L], and, with a 16-bit
     window, the tokens it reads in 16 bits: (K, V [Hk, Ls + n, D] staged then its own, mask [n, Ls + n]).
-    The masks depend on positions and on which blocks are staged: computed once per step for every layer
-    that stages the same blocks."""
+    The masks depend on positions and on which blocks are staged, which the layers sharing a `Staging` agree
+    on once it is placed for the step: computed once per step for all of them."""
     recent = cache.window
     if recent is None:
         key = ("causal", window)
@@ -183,20 +183,21 @@ def _prefill_reads(k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache
             device = chunk.block_table.device
             chunk.memo[key] = reference.causal_mask(chunk.length, chunk.context_len, window, device)
         return chunk.memo[key], None
-    staged = recent.staging_of[chunk.block_table] >= 0  # [blocks]
-    index = _staged_prefill_blocks(recent, chunk)
-    key = ("reads", window, tuple(staged.tolist()))
+    key = ("reads", window, id(recent.staging))  # the memo lives one step, as long as the staging it names
     if key not in chunk.memo:
-        chunk.memo[key] = _read_masks(recent, chunk, window, staged, index)
-    mask, dense_mask = chunk.memo[key]
+        chunk.memo[key] = _read_masks(recent, chunk, window)
+    mask, dense_mask, index = chunk.memo[key]
     staged_k, staged_v = recent.gather(chunk.block_table[index])  # [Ls, Hk, D]
     dense_k = torch.cat([staged_k, k.to(staged_k.dtype)]).transpose(0, 1)  # [Hk, Ls+n, D]
     dense_v = torch.cat([staged_v, v.to(staged_v.dtype)]).transpose(0, 1)
     return mask, (dense_k, dense_v, dense_mask)
 
 
-def _read_masks(recent: RecentWindow, chunk: PrefillChunk, window: int | None, staged: torch.Tensor,
-                index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_masks(recent: RecentWindow, chunk: PrefillChunk,
+                window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The code mask [n, L], the 16-bit mask [n, Ls + n], and the staged prefix blocks' indices in the table."""
+    staged = recent.staging_of[chunk.block_table] >= 0  # [blocks]
+    index = _staged_prefill_blocks(recent, chunk)
     n, length, device = chunk.length, chunk.context_len, staged.device
     start = length - n
     pos = torch.arange(length, device=device)
@@ -206,7 +207,7 @@ def _read_masks(recent: RecentWindow, chunk: PrefillChunk, window: int | None, s
     staged_pos = _positions(index, recent.block_size)
     exists = staged[index].repeat_interleave(recent.block_size) & (staged_pos < start)
     staged_mask = exists & _near(staged_pos, qpos, recent, window)
-    return mask, torch.cat([staged_mask, _near(pos[start:], qpos, recent, window)], 1)
+    return mask, torch.cat([staged_mask, _near(pos[start:], qpos, recent, window)], 1), index
 
 
 def _staged_decode_window(window: RecentWindow, tables: torch.Tensor, lens: torch.Tensor):

@@ -16,9 +16,8 @@ import torch
 from slipstream.attention import reference, turboquant
 from slipstream.backends.cpu.attention import EXPANDED_FROM_ROWS, _expand, turboquant_prefill
 from slipstream.kvcache.dtype import TQ_BITS
-from tests.conftest import step_metadata
-from tests.kernels.test_turboquant_attention import DTYPES, TOL, _cache
-from tests.kernels.test_turboquant_prefill import _chunks, _filled
+from tests.kernels.test_turboquant_attention import DTYPES, TOL
+from tests.kernels.test_turboquant_prefill import _chunks, _filled, staged_second_chunk
 
 def _torch_expand(cache, chunk, dtype):
     return cache.code_space(chunk.block_table, chunk.context_len, dtype)
@@ -99,23 +98,9 @@ def test_bf16_queries_within_twice_the_bf16_cache_rounding(isa):
 @pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 12])
 def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window):
-    """A prefill in two chunks through the engine's staging rules; the second reads staged prefix tokens and its
-    own near ones in 16 bits (mapped into code space), the rest from codes, each row by its own position."""
-    g = torch.Generator().manual_seed(2)
-    block_size, kv_heads, num_heads, prefix, n = 4, 2, 6, 29, 70
-    cache = _cache("tq3", kv_heads, num_heads, 32, block_size, recent, sinks, dense_dtype)
-    table = torch.randperm(32)[:-(-(prefix + n) // block_size)]
-    slot = lambda pos: table[pos // block_size] * block_size + pos % block_size
-    randn = lambda *shape: torch.randn(*shape, generator=g)
-    meta = step_metadata([prefix], [prefix], table[None], slot(torch.arange(prefix)))
-    turboquant.paged_attention(randn(prefix, num_heads, 64), randn(prefix, kv_heads, 64) * 3 + 1,
-                               randn(prefix, kv_heads, 64), cache, meta, 0.125)
-    meta = step_metadata([n], [prefix + n], table[None], slot(torch.arange(prefix, prefix + n)))
-    q, k, v = randn(n, num_heads, 64), randn(n, kv_heads, 64) * 3 + 1, randn(n, kv_heads, 64)
-    cache.write(k, v, meta.slot_mapping)
-    turboquant._stage(cache.window, k, v, meta)
-    assert cache.window.exists(table).any()
-    chunk = meta.prefills[0]
+    """The second chunk of a prefill reads staged prefix tokens and its own near ones in 16 bits (mapped into code
+    space), the rest from codes, each row by its own position."""
+    q, k, v, cache, chunk = staged_second_chunk(recent, sinks, dense_dtype, 70)
     want = turboquant._prefill(q, k, v, cache, chunk, 0.125, window)
     assert (_expanded(q, k, v, cache, chunk, window) - want).abs().max() < TOL
 

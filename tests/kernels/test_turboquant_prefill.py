@@ -109,14 +109,11 @@ def test_chunk_reads_only_its_blocks_and_rows(isa):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0), (6, 5)])
-@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 12])
-def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window):
-    """A prefill in two chunks through the engine's staging rules; the second chunk reads staged prefix tokens and
-    its own near ones in 16 bits, the rest from codes, each row by its own position."""
+def staged_second_chunk(recent: int, sinks: int, dense_dtype: torch.dtype, n: int):
+    """A prefill in two chunks through the engine's staging rules (29 tokens, then n): q, k, v of the second chunk,
+    the cache (tq3, blocks of 4, 6 heads over 2) and the chunk, whose window has staged prefix blocks."""
     g = torch.Generator().manual_seed(2)
-    block_size, kv_heads, num_heads, prefix, n = 4, 2, 6, 29, 19
+    block_size, kv_heads, num_heads, prefix = 4, 2, 6, 29
     cache = _cache("tq3", kv_heads, num_heads, 32, block_size, recent, sinks, dense_dtype)
     table = torch.randperm(32)[:-(-(prefix + n) // block_size)]
     slot = lambda pos: table[pos // block_size] * block_size + pos % block_size
@@ -129,7 +126,16 @@ def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, si
     cache.write(k, v, meta.slot_mapping)
     turboquant._stage(cache.window, k, v, meta)
     assert cache.window.exists(table).any()
-    chunk = meta.prefills[0]
+    return q, k, v, cache, meta.prefills[0]
+
+
+@pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0), (6, 5)])
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 12])
+def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window):
+    """The second chunk reads staged prefix tokens and its own near ones in 16 bits, the rest from codes, each row
+    by its own position."""
+    q, k, v, cache, chunk = staged_second_chunk(recent, sinks, dense_dtype, 19)
     ours = turboquant._prefill(q, k, v, cache, chunk, 0.125, window, turboquant_prefill_tiles)
     assert (ours - turboquant._prefill(q, k, v, cache, chunk, 0.125, window)).abs().max() < TOL
 

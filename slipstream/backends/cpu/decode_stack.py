@@ -17,6 +17,7 @@ The GEMMs take the kernels the backend's GemmPolicy picks for the step's number 
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,15 @@ def _turboquant_layer(attention: nn.Module, cache: TurboQuantLayerCache,
         ctypes.cast(lib.turboquant_encode, ctypes.c_void_p))
 
 
+class _Described(NamedTuple):
+    """What `DecodeStack.described` built, and from which caches (in which calibration state)."""
+    caches: tuple
+    calibrated: tuple
+    layers: ctypes.Array | None
+    turboquant: list  # the TurboQuant descriptions, kept alive beside the array that points to them
+    stagings: list[Staging]  # the windows' placements, each once: a step places them before the C code writes
+
+
 class DecodeStack:
     """A model's decoder layers, run whole for the decode steps the C code serves: the CPU
     backend's fused decode stack. Its description of the layers is built on first use and
@@ -101,7 +111,7 @@ class DecodeStack:
 
     def __init__(self, layers: nn.ModuleList, policy: GemmPolicy):
         self.layers, self.policy = layers, policy
-        self._built: tuple[tuple, tuple, ctypes.Array | None, list] | None = None
+        self._built: _Described | None = None
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Runs every layer on x in place and returns True when the step is one the stack
@@ -110,7 +120,7 @@ class DecodeStack:
         step = None if layers is None else decode_step(positions, x, self.layers[0].self_attn.rotary, self.policy)
         if step is None:
             return False
-        for staging in self._stagings():  # where the torch path's first TurboQuant layer places them
+        for staging in self._built.stagings:  # where the torch path's first TurboQuant layer places them
             place_staging(staging, get_metadata())
         self.run(layers, step, x)
         return True
@@ -122,18 +132,14 @@ class DecodeStack:
             return None
         caches = tuple(layer.self_attn.attn.kv_cache for layer in self.layers)
         calibrated = tuple(getattr(cache, "calibrated", True) for cache in caches)
-        stale = self._built is None or calibrated != self._built[1]
-        if stale or any(a is not b for a, b in zip(self._built[0], caches)):
+        built = self._built
+        if built is None or calibrated != built.calibrated or any(a is not b for a, b in zip(built.caches, caches)):
             described = [_layer(layer, lib) for layer in self.layers]
             layers = None if None in described else (abi.Layer * len(described))(*(d[0] for d in described))
-            # the TurboQuant descriptions stay alive beside the array that points to them
-            self._built = (caches, calibrated, layers, [d[1] for d in described if d])
-        return self._built[2]
-
-    def _stagings(self) -> list[Staging]:
-        """The 16-bit windows' placements of the TurboQuant layers, each once."""
-        windows = (getattr(layer.self_attn.attn.kv_cache, "window", None) for layer in self.layers)
-        return list({id(w.staging): w.staging for w in windows if w is not None}.values())
+            windows = (getattr(cache, "window", None) for cache in caches)
+            stagings = list({id(w.staging): w.staging for w in windows if w is not None}.values())
+            self._built = _Described(caches, calibrated, layers, [d[1] for d in described if d], stagings)
+        return self._built.layers
 
     @staticmethod
     def run(layers: ctypes.Array, step: abi.Step, x: torch.Tensor) -> None:
