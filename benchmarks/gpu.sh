@@ -12,7 +12,8 @@
 # What it assumes of the machine (issue 21): Python with torch (CUDA), triton and transformers
 # already installed, nothing fetchable. So nothing here reinstalls torch or triton: slipstream
 # runs from the source tree (PYTHONPATH), and packages that are missing are installed from
-# wheels carried in $WHEELS (default shared/wheels), without an index. Model files do not
+# wheels carried in $WHEELS (default benchmarks/out/wheels, made by gpu_wheels.sh and carried
+# with the run), without an index; what is already installed stays. Model files do not
 # travel: the benchmarks build random-weight checkpoints of real shapes on the GPU.
 #
 # Stages run in order of importance, each under its own time limit, and a failing stage does
@@ -22,7 +23,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PY:-python3}
-WHEELS=${WHEELS:-shared/wheels}
+WHEELS=${WHEELS:-benchmarks/out/wheels}
 WORK=${WORK:-/tmp/slipstream-gpu}
 RESULTS=${OUT:-$ROOT/benchmarks}/gpu_figures.md
 PARTS=${*:-tests attention llama qwen}
@@ -60,8 +61,8 @@ note "- $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/d
 note "- $("$PY" -c 'import sys, torch, triton, transformers; print(f"Python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, transformers {transformers.__version__}")' 2>&1)"
 
 if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-    note "- installing carried wheels: $(cd "$WHEELS" && ls *.whl | tr '\n' ' ')"
-    "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl 2>&1 | tail -n 5
+    note "- installing what is missing from the carried wheels: $(cd "$WHEELS" && ls *.whl | tr '\n' ' ')"
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" xgrammar gguf pytest pytest-timeout 2>&1 | tail -n 5
 fi
 MISSING=$("$PY" - <<'EOF'
 import importlib.util

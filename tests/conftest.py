@@ -58,6 +58,7 @@ def build_tiny_checkpoint(path: str, family: str = "llama", num_kv_heads: int = 
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "mixtral": transformers.MixtralConfig,
     }
     kwargs = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,

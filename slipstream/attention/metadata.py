@@ -39,6 +39,16 @@ class AttentionMetadata:
     context_lens: list[int]        # seq_lens on the host
     # per-step values every layer would otherwise recompute, keyed by what they depend on
     step_cache: dict = field(default_factory=dict, repr=False)
+    # slot_mapping and block_table on the host (vLLM's *_cpu): the runner passes the buffers it filled,
+    # others get copies, so host-side planning never reads the device back
+    slot_mapping_cpu: torch.Tensor | None = field(default=None, repr=False)
+    block_table_cpu: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.slot_mapping_cpu is None:
+            self.slot_mapping_cpu = self.slot_mapping.cpu()
+        if self.block_table_cpu is None:
+            self.block_table_cpu = self.block_table.cpu()
 
     @property
     def decode_block_tables(self) -> torch.Tensor:

@@ -69,7 +69,7 @@ def _calibration_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
 def _stage(window: RecentWindow, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Mirror new tokens whose block stays in its sequence's window."""
     place_staging(window.staging, meta)
-    window.write(k, v, meta.slot_mapping)
+    window.write(k, v)
 
 
 def place_staging(staging: Staging, meta: AttentionMetadata) -> None:
@@ -80,11 +80,11 @@ def place_staging(staging: Staging, meta: AttentionMetadata) -> None:
         return
     active, in_window = [], []
     for row, end in enumerate(meta.context_lens):
-        length, table = meta.query_start[row + 1] - meta.query_start[row], meta.block_table[row]
+        length, table = meta.query_start[row + 1] - meta.query_start[row], meta.block_table_cpu[row]
         first, sinks = staging.first_block(end), staging.sink_blocks
         active += table[:min(sinks, first)].tolist() + table[first:math.ceil(end / staging.block_size)].tolist()
         in_window += [not sinks <= p // staging.block_size < first for p in range(end - length, end)]
-    staging.assign(meta.slot_mapping, torch.tensor(in_window, device=meta.slot_mapping.device), active)
+    staging.assign(meta.slot_mapping_cpu, in_window, active)
     meta.step_cache[key] = True
 
 

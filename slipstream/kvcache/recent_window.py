@@ -43,10 +43,14 @@ class Staging:
                  device: torch.device):
         self.tokens, self.sinks, self.block_size, self.num_staging = recent_tokens, sink_tokens, block_size, num_staging
         self.sink_blocks = math.ceil(sink_tokens / block_size)
-        self.staging_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        # decided on the host, mirrored to the device for the kernels: planning never reads the device back
+        self.host_staging_of = torch.full((num_blocks,), -1, dtype=torch.long)
+        self.staging_of = self.host_staging_of if device.type == "cpu" else self.host_staging_of.to(device)
+        self.writes = (torch.empty(0, dtype=torch.long, device=device),) * 2  # this step's (token, staged row) pairs
         self._block_of = [-1] * num_staging
         self._last_use = [-1] * num_staging
         self._clock = 0
+        self._changed: list[int] = []  # blocks whose staging this step's assign changed
 
     def first_block(self, context_len: int) -> int:
         """Index in a block table of the first block that the next query's recent window reaches."""
@@ -54,36 +58,50 @@ class Staging:
             return -(-context_len // self.block_size)  # none: one past the last block
         return max(0, context_len - self.tokens) // self.block_size
 
-    def assign(self, slot_mapping: torch.Tensor, in_window: torch.Tensor, active_blocks: list[int]) -> None:
-        """Before a step writes its new tokens [T] at slot_mapping: blocks they start get staging or lose it.
+    def assign(self, slot_mapping: torch.Tensor, in_window: list[bool], active_blocks: list[int]) -> None:
+        """Before a step writes its new tokens [T] at slot_mapping (on the host): blocks they start get staging
+        or lose it, and `writes` says which tokens every layer mirrors into which staged rows.
 
-        in_window [T] bool: the token's block is in its sequence's window after this step.
+        in_window [T]: the token's block is in its sequence's window after this step.
         active_blocks: physical blocks in the windows of this step's sequences (kept).
         """
         self._clock += 1
-        for staging in self.staging_of[active_blocks].tolist():
+        for staging in self.host_staging_of[active_blocks].tolist():
             if staging >= 0:
                 self._last_use[staging] = self._clock
-        starts = (slot_mapping % self.block_size == 0).nonzero().flatten().tolist()
-        blocks, wanted = (slot_mapping // self.block_size).tolist(), in_window.tolist()
-        for i in starts:
-            self._restage(blocks[i], wanted[i])
+        blocks, self._changed = (slot_mapping // self.block_size).tolist(), []
+        for i in (slot_mapping % self.block_size == 0).nonzero().flatten().tolist():
+            self._restage(blocks[i], in_window[i])
+        device = self.staging_of.device
+        if self._changed and self.staging_of is not self.host_staging_of:
+            changed = torch.tensor(self._changed)
+            self.staging_of[changed.to(device, non_blocking=True)] = self.host_staging_of[changed].to(
+                device, non_blocking=True)
+        staging = self.host_staging_of[slot_mapping // self.block_size]
+        tokens = (staging >= 0).nonzero().flatten()
+        rows = staging[tokens] * self.block_size + slot_mapping[tokens] % self.block_size
+        self.writes = (tokens.to(device, non_blocking=True), rows.to(device, non_blocking=True))
 
     def _restage(self, block: int, wanted: bool) -> None:
         """A block starts over at offset 0: give it staging if it is wanted, else drop any."""
-        staging = int(self.staging_of[block])
+        staging = int(self.host_staging_of[block])
         if staging >= 0 and not wanted:
             self._block_of[staging], self._last_use[staging] = -1, -1
-            self.staging_of[block] = -1
+            self._place(block, -1)
         elif staging < 0 and wanted:
             staging = min(range(len(self._block_of)), key=self._last_use.__getitem__, default=-1)
             if staging < 0 or self._last_use[staging] == self._clock:
                 return  # every staging block is in use this step: this block stays codes-only
             if self._block_of[staging] >= 0:
-                self.staging_of[self._block_of[staging]] = -1
-            self._block_of[staging], self.staging_of[block] = block, staging
+                self._place(self._block_of[staging], -1)
+            self._block_of[staging] = block
+            self._place(block, staging)
         if staging >= 0:
             self._last_use[staging] = self._clock
+
+    def _place(self, block: int, staging: int) -> None:
+        self.host_staging_of[block] = staging
+        self._changed.append(block)
 
     def exists(self, blocks: torch.Tensor) -> torch.Tensor:
         """[..., n] physical blocks -> [..., n * block_size] bool: the token has a staged copy."""
@@ -107,13 +125,11 @@ class RecentWindow:
     def exists(self, blocks: torch.Tensor) -> torch.Tensor:
         return self.staging.exists(blocks)
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Mirror the step's new k/v [T, Hk, D] into the staged blocks (placed by `Staging.assign` first)."""
-        staging = self.staging_of[slot_mapping // self.block_size]
-        keep = staging >= 0
-        rows = staging[keep] * self.block_size + slot_mapping[keep] % self.block_size
-        self.k.view(-1, *self.k.shape[2:])[rows] = k[keep].to(self.k.dtype)
-        self.v.view(-1, *self.v.shape[2:])[rows] = v[keep].to(self.v.dtype)
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Mirror the step's new k/v [T, Hk, D] into the staged blocks (`Staging.assign` planned where)."""
+        tokens, rows = self.staging.writes
+        self.k.view(-1, *self.k.shape[2:])[rows] = k[tokens].to(self.k.dtype)
+        self.v.view(-1, *self.v.shape[2:])[rows] = v[tokens].to(self.v.dtype)
 
     def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Staged K/V of physical blocks [..., n] -> [..., n * block_size, Hk, D] (garbage where none)."""

@@ -19,6 +19,7 @@ names (models/weights.py stacks per-expert tensors into this layout).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -66,10 +67,15 @@ class TopKRouter(Linear):
 @dataclass
 class ExpertGroups:
     """A layer's (token, expert) pairs sorted by expert: `token[j]` and `pair_weights[j]` (float32)
-    of pair j; expert e takes the `sizes[e]` pairs after those of experts 0..e-1."""
+    of pair j; expert e takes the `counts[e]` pairs after those of experts 0..e-1."""
     token: torch.Tensor
     pair_weights: torch.Tensor
-    sizes: list[int]
+    counts: torch.Tensor  # [E] on the device
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        """counts on the host, for methods that loop over experts in Python: one host sync per layer."""
+        return self.counts.tolist()
 
 
 class ExpertsMethod:
@@ -118,11 +124,12 @@ class Experts(nn.Module):
                 counts: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]; counts [E] = pairs per expert. Returns [T, H]."""
         order = ids.flatten().argsort(stable=True)  # pairs grouped by expert, expert 0 first
-        sizes = counts.tolist()  # one host sync per layer, not per expert
         first, local = self.first_expert, self.gate_up_proj.shape[0]
-        start, end = sum(sizes[:first]), sum(sizes[:first + local])  # this rank's experts' pairs
-        order = order[start:end] if end - start < len(order) else order
-        groups = ExpertGroups(order // ids.shape[1], weights.flatten()[order].float(), sizes[first:first + local])
+        if local < len(counts):  # expert parallel: this rank's experts' pairs, found on the host
+            sizes = counts.tolist()
+            order = order[sum(sizes[:first]):sum(sizes[:first + local])]
+            counts = counts[first:first + local]
+        groups = ExpertGroups(order // ids.shape[1], weights.flatten()[order].float(), counts)
         return self.method.apply(self, x, groups)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +156,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. `router_input` (default x) is what the router scores."""
         weights, ids = self.gate(x if router_input is None else router_input)
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        flat = ids.flatten()  # not bincount: on a GPU it reads its largest id back to the host
+        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         self.expert_counts += counts
         out = all_reduce(self.experts(x, weights, ids, counts))
         if self.shared_expert is not None:

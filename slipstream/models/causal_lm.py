@@ -20,9 +20,9 @@ from slipstream.models.weights import load_stacked_weights
 
 def scaled_embedding(embedding: nn.Embedding, ids: torch.Tensor, scale: float) -> torch.Tensor:
     """Gemma's embeddings times `scale`, which the reference rounds to the weight dtype first
-    (sqrt(640) becomes 25.25 in bf16)."""
+    (sqrt(640) becomes 25.25 in bf16). The factor stays a host scalar: no copy to the device each step."""
     x = embedding(ids)  # in the weight dtype, whether the table is a float weight or GGUF blocks
-    return x * torch.tensor(scale, dtype=x.dtype, device=x.device)
+    return x * torch.tensor(scale, dtype=x.dtype)
 
 
 class CausalLM(nn.Module):

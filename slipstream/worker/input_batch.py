@@ -103,12 +103,15 @@ class InputBatch:
         return self._inputs()
 
     def _inputs(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        _, count, width = self.shape
+        tokens, count, width = self.shape
         starts = self.np["query_start_loc"][:count + 1].tolist()
         t = self._to_device(_sizes(self.shape))
         query_lens = [b - a for a, b in zip(starts, starts[1:])]
-        meta = AttentionMetadata(t["slot_mapping"], t["query_start_loc"], t["seq_lens"], t["block_table"].view(count, width),
-                                 leading_decodes(query_lens), starts, self.np["seq_lens"][:count].tolist())
+        table = t["block_table"].view(count, width)
+        meta = AttentionMetadata(t["slot_mapping"], t["query_start_loc"], t["seq_lens"], table,
+                                 leading_decodes(query_lens), starts, self.np["seq_lens"][:count].tolist(),
+                                 slot_mapping_cpu=self.host["slot_mapping"][:tokens],
+                                 block_table_cpu=self.host["block_table"][:count * width].view(count, width))
         return t["input_ids"], t["positions"], meta
 
     def _to_device(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from slipstream.worker import worker
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 from slipstream.layers.moe import Experts
-from tests.conftest import random_prompts
+from tests.conftest import build_tiny_checkpoint, random_prompts
 from tests.gpu.steps import DEVICE
 from tests.models.test_moe_families import build_moe_checkpoint
 
@@ -99,12 +99,16 @@ ON_GPU = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs and memor
 
 
 @ON_GPU
+@pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_give_the_eager_tokens(tiny_llama, dtype):
-    """Decode steps replayed from graphs (batches that pad up to a bucket included) give eager's tokens."""
+def test_cuda_graphs_give_the_eager_tokens(tiny_llama, dtype, moe, tmp_path):
+    """Decode steps replayed from graphs (batches that pad up to a bucket included) give eager's tokens;
+    MoE layers too (their expert tiles are listed on the device)."""
+    model = tiny_llama if not moe else build_tiny_checkpoint(str(tmp_path), "mixtral", intermediate_size=32,
+                                                             num_local_experts=4, num_experts_per_tok=2)
     prompts = random_prompts(5, 5, 60, seed=6)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    kwargs = dict(model=tiny_llama, dtype=dtype, device="cuda", max_num_seqs=8, kv_cache_memory=2**22)
+    kwargs = dict(model=model, dtype=dtype, device="cuda", max_num_seqs=8, kv_cache_memory=2**22)
     expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
     llm = LLM(**kwargs, enforce_eager=False)
     assert sorted(llm.engine.runner.graphs.graphs) == [1, 2, 4, 8]

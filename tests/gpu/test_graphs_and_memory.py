@@ -52,9 +52,9 @@ def test_steps_without_a_graph_are_declined():
 
 def test_graph_blockers_say_why():
     cpu = torch.device("cpu")
-    assert graph_blockers(torch.device("cuda"), True, False, False) == []
-    reasons = graph_blockers(cpu, False, True, True)
-    assert len(reasons) == 4 and "CUDA device, not cpu" in reasons[0]
+    assert graph_blockers(torch.device("cuda"), True, False) == []
+    reasons = graph_blockers(cpu, False, True)
+    assert len(reasons) == 3 and "CUDA device, not cpu" in reasons[0]
 
 
 def test_kv_cache_budget():

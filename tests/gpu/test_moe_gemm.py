@@ -54,10 +54,16 @@ def test_one_token_and_top_one():
 
 
 def test_tiles_never_mix_experts():
+    """Listed on the device, as many as the bound gives: the real tiles, then empty ones (end = first)."""
     kernel = kernels("moe_gemm")
     m = kernel.BLOCK_M
-    tiles = kernel.expert_tiles([0, m + 1, 3, 0, m], torch.device("cpu")).tolist()
-    assert tiles == [[1, 0, m + 1], [1, m, m + 1], [2, m + 1, m + 4], [4, m + 4, 2 * m + 4]]
+    counts = [0, m + 1, 3, 0, m]
+    tiles = kernel.expert_tiles(torch.tensor(counts, device=DEVICE), sum(counts)).tolist()
+    real = [[1, 0, m + 1], [1, m, m + 1], [2, m + 1, m + 4], [4, m + 4, 2 * m + 4]]
+    assert tiles[:4] == real and len(tiles) == 3 + len(counts)  # ceil((2m + 4) / m) + 5 experts
+    assert all(first == end for _, first, end in tiles[4:])
+    few = kernel.expert_tiles(torch.tensor([1, 0, 2], device=DEVICE), 3).tolist()  # never more tiles than pairs
+    assert few[:2] == [[0, 0, 1], [2, 1, 3]] and few[2][1] == few[2][2]
 
 
 def test_unknown_activation_is_named():
@@ -65,4 +71,5 @@ def test_unknown_activation_is_named():
     w = torch.zeros(1, 4, 2, device=DEVICE)
     with pytest.raises(ValueError, match="'relu' has no kernel"):
         kernel.grouped_experts(torch.zeros(1, 2, device=DEVICE), w, w.transpose(1, 2).contiguous(),
-                               torch.zeros(1, dtype=torch.long, device=DEVICE), torch.ones(1, device=DEVICE), [1], "relu")
+                               torch.zeros(1, dtype=torch.long, device=DEVICE), torch.ones(1, device=DEVICE),
+                               torch.ones(1, dtype=torch.long, device=DEVICE), "relu")

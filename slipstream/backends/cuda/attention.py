@@ -55,7 +55,7 @@ def _chunk_rows(chunk: PrefillChunk, device: torch.device) -> tuple[torch.Tensor
     """query_start_loc [0, n] and seq_lens [context] of a chunk on the device, made once per step for
     every layer (the chunk lives as long as the step's metadata): no host copy per layer."""
     if not hasattr(chunk, "device_rows"):
-        rows = torch.tensor([0, chunk.length, chunk.context_len], device=device)
+        rows = torch.tensor([0, chunk.length, chunk.context_len]).to(device, non_blocking=True)
         chunk.device_rows = (rows[:2], rows[2:])
     return chunk.device_rows
 

@@ -23,7 +23,7 @@ from slipstream.backends.cuda.graphs import DecodeGraphs, graph_blockers
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
-from slipstream.layers.moe import Experts, ExpertsMethod, SparseMoeBlock
+from slipstream.layers.moe import Experts, ExpertsMethod
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 FP8_MIN_CAPABILITY = (8, 9)  # Triton's float8e4nv needs Ada or Hopper
@@ -60,8 +60,7 @@ class CudaBackend(ReferenceBackend):
 
     def decode_graphs(self, model: nn.Module, kv_cache, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
         """Graphs of the decode step, captured now; the last block of `kv_cache` is their scratch block."""
-        blockers = graph_blockers(self.device, self.triton, any(kv_cache.turboquant),
-                                  any(isinstance(m, SparseMoeBlock) for m in model.modules()))
+        blockers = graph_blockers(self.device, self.triton, any(kv_cache.turboquant))
         if blockers:
             raise ValueError(f"enforce_eager=False: CUDA graphs cannot run here: {'; '.join(blockers)}")
         max_blocks = min(kv_cache.num_blocks, -(-max_model_len // kv_cache.block_size))

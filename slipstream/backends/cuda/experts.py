@@ -20,6 +20,6 @@ class TritonExperts(ExpertsMethod):
         if act not in moe_gemm.ACTIVATIONS or not len(groups.token):
             return super().apply(experts, x, groups)
         ys = moe_gemm.grouped_experts(x.contiguous(), experts.gate_up_proj, experts.down_proj, groups.token,
-                                      groups.pair_weights, groups.sizes, act)
+                                      groups.pair_weights, groups.counts, act)
         by_token = groups.token.argsort(stable=True)  # every token has the same number of pairs, top_k
         return ys[by_token].view(len(x), -1, ys.shape[1]).sum(1).to(x.dtype)

@@ -14,10 +14,11 @@ sequence's cache. Attention is captured with the host-side values it decides fro
 the worst case (contexts of max_model_len, so split-KV is chosen once per bucket); every
 length itself is read on the device, so one graph serves every context.
 
-What a graph can capture: only device work without host syncs. The engine enables graphs
-only for dense KV caches and models without MoE layers (TurboQuant staging and expert
-grouping read counts on the host), and only with `enforce_eager=False`: no GPU run has shown
-graphs correct yet, so they are off by default.
+What a graph can capture: only device work, with no Python deciding per step. The engine
+enables graphs only for dense KV caches (a TurboQuant cache's 16-bit window is planned on the
+host every step; MoE layers list their expert tiles on the device, so they are captured), and
+only with `enforce_eager=False`: no GPU run has shown graphs correct yet, so they are off by
+default.
 """
 from __future__ import annotations
 
@@ -27,15 +28,13 @@ from torch import nn
 from slipstream.attention.metadata import AttentionMetadata, use_metadata
 
 
-def graph_blockers(device: torch.device, triton: bool, turboquant: bool, moe: bool) -> list[str]:
+def graph_blockers(device: torch.device, triton: bool, turboquant: bool) -> list[str]:
     """Why decode graphs cannot be captured for this engine (none: they can)."""
     reasons = [] if device.type == "cuda" else [f"they need a CUDA device, not {device}"]
     if not triton:
         reasons.append("the graphs capture the Triton attention kernel, and triton is not installed")
     if turboquant:
-        reasons.append("TurboQuant caches stage their 16-bit window on the host every step")
-    if moe:
-        reasons.append("MoE layers read each expert's token count on the host")
+        reasons.append("TurboQuant caches plan their 16-bit window on the host every step")
     return reasons
 
 

@@ -2,7 +2,7 @@
 
 Owns: two kernels over the (token, expert) pairs sorted by expert (layers/moe.py's
 ExpertGroups). A program takes BLOCK_M pairs of one expert (a tile never mixes experts; the
-host lists the tiles from the group sizes it already has) and BLOCK_N output columns:
+tiles are listed on the device from the pairs per expert) and BLOCK_N output columns:
 `_gate_up` gathers its tokens' rows of x and writes act(x W_gate^T) * (x W_up^T) per pair in
 the model dtype; `_down` writes (h W_down^T) * weight per pair in float32. Must never know
 routers, checkpoints or models; layers/moe.py's torch path is the reference.
@@ -40,11 +40,13 @@ def _gate_up(x, weight, tiles, token, out, hidden, inter, stride_xt, stride_we, 
              ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              INTERPRETED: tl.constexpr):
     expert = tl.load(tiles + 3 * tl.program_id(0))
-    pairs = tl.load(tiles + 3 * tl.program_id(0) + 1) + tl.arange(0, BLOCK_M)
-    pair_ok = pairs < tl.load(tiles + 3 * tl.program_id(0) + 2)
+    first = tl.load(tiles + 3 * tl.program_id(0) + 1)
+    end = tl.load(tiles + 3 * tl.program_id(0) + 2)
+    pairs = first + tl.arange(0, BLOCK_M)
+    pair_ok = pairs < end
     rows = tl.load(token + pairs, mask=pair_ok, other=0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
+    col_ok = cols < tl.where(first < end, inter, 0)  # an empty tile reads no weights
     w = weight + expert.to(tl.int64) * stride_we
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -66,10 +68,12 @@ def _gate_up(x, weight, tiles, token, out, hidden, inter, stride_xt, stride_we, 
 def _down(h, weight, tiles, pair_weights, out, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
     expert = tl.load(tiles + 3 * tl.program_id(0))
-    pairs = tl.load(tiles + 3 * tl.program_id(0) + 1) + tl.arange(0, BLOCK_M)
-    pair_ok = pairs < tl.load(tiles + 3 * tl.program_id(0) + 2)
+    first = tl.load(tiles + 3 * tl.program_id(0) + 1)
+    end = tl.load(tiles + 3 * tl.program_id(0) + 2)
+    pairs = first + tl.arange(0, BLOCK_M)
+    pair_ok = pairs < end
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    col_ok = cols < tl.where(first < end, hidden, 0)  # an empty tile reads no weights
     w = weight + expert.to(tl.int64) * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
@@ -83,25 +87,34 @@ def _down(h, weight, tiles, pair_weights, out, hidden, inter, stride_ht, stride_
              mask=pair_ok[:, None] & col_ok[None, :])
 
 
-def expert_tiles(sizes: list[int], device: torch.device) -> torch.Tensor:
-    """int32 [tiles, 3]: (expert, first pair, end of the expert's pairs) per BLOCK_M pairs of one expert."""
-    tiles, start = [], 0
-    for e, n in enumerate(sizes):
-        tiles += [(e, s, start + n) for s in range(start, start + n, BLOCK_M)]
-        start += n
-    return torch.tensor(tiles, dtype=torch.int32).view(-1, 3).to(device)
+def expert_tiles(counts: torch.Tensor, pairs: int) -> torch.Tensor:
+    """int32 [tiles, 3]: (expert, first pair, end of the expert's pairs) per BLOCK_M pairs of one expert, from
+    the pairs per expert, built on the device. How many tiles there are is not known on the host without
+    waiting for the counts, so there are as many rows as a bound gives (a tile holds at least one of the
+    `pairs`; each expert adds at most one partial tile) and the rows past the real tiles are empty
+    (end = first): their programs load and store nothing."""
+    bound = min(pairs, triton.cdiv(pairs, BLOCK_M) + len(counts))
+    ends = counts.cumsum(0)
+    per_expert = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles_to = per_expert.cumsum(0)
+    tile = torch.arange(bound, device=counts.device)
+    expert = torch.searchsorted(tiles_to, tile, right=True)  # the first expert whose tiles reach past `tile`
+    real = expert < len(counts)
+    expert = expert.clamp_max(len(counts) - 1)
+    first = ends[expert] - counts[expert] + (tile - tiles_to[expert] + per_expert[expert]) * BLOCK_M
+    return torch.stack([expert, first, torch.where(real, ends[expert], first)], 1).to(torch.int32)
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, token: torch.Tensor,
-                    pair_weights: torch.Tensor, sizes: list[int], act: str) -> torch.Tensor:
+                    pair_weights: torch.Tensor, counts: torch.Tensor, act: str) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; the pairs sorted by expert (token [P], weights [P]
-    float32, pairs per expert). Returns each pair's weighted expert output [P, H] in float32."""
+    float32, counts [E] pairs per expert). Returns each pair's weighted expert output [P, H] in float32."""
     if act not in ACTIVATIONS:
         raise ValueError(f"grouped experts: activation {act!r} has no kernel; allowed: {sorted(ACTIVATIONS)}")
     if gate_up.stride(-1) != 1 or down.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("grouped experts: x and the expert weights need unit stride along their last dim")
     pairs, (hidden, inter) = len(token), down.shape[1:]
-    tiles = expert_tiles(sizes, x.device)
+    tiles = expert_tiles(counts, pairs)
     h = x.new_empty((pairs, inter))
     out = x.new_empty((pairs, hidden), dtype=torch.float32)
     if not len(tiles):
