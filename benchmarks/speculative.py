@@ -12,9 +12,9 @@ by other processes on a shared machine), their ratios, and the acceptance.
     python benchmarks/speculative.py [--num-speculative-tokens 4] [--max-tokens 128] [--repeats 3]
     python benchmarks/speculative.py --draft-model smollm2-135m --draft-quantization int4  # the model's int4 copy
 
---measure-cost instead measures the Speculator's VERIFY_COST: process CPU time per step with
-drafts that are always rejected (one token per step, like a plain decode) over a plain decode
-step, at 1 to 16 decoding rows of --cost-context prompt tokens each.
+--measure-cost instead measures the Speculator's VERIFY_COST: process CPU time per step with 1 to 4
+drafts per row that are always rejected (one token per step, like a plain decode) over a plain
+decode step, at 1 to 16 decoding rows of --cost-context prompt tokens each.
 """
 from __future__ import annotations
 
@@ -59,29 +59,37 @@ def run(llm: LLM, prompts, max_tokens: int) -> tuple[float, float, int, list]:
 
 
 class Rejected(StatelessProposer):
-    """Drafts of token 0 (<|endoftext|>), which greedy text here never produces."""
+    """`drafts` drafts of token 0 (<|endoftext|>), which greedy text here never produces."""
+
+    drafts = 4
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        return [0] * k
+        return [0] * min(k, self.drafts)
 
 
 def measure_cost(engines: dict[str, LLM], repeats: int, context: int) -> None:
+    """The Speculator's VERIFY_COST: process CPU time of steps whose rows each verify 1-4 rejected drafts
+    (one token per step, as a plain decode) over plain decode steps, at 1 to 16 rows of `context` tokens."""
     from slipstream.speculative import speculator
-    speculator.VERIFY_COST = ((1, 0.0), (10**6, 0.0))  # speculate at every step, at any batch
-    engines["spec"].engine.speculator.proposer = Rejected()
-    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    speculator.VERIFY_COST = ((10**6, (0.0,) * 4),)  # verification free: every step verifies every draft
+    engines["spec"].engine.speculator.proposer = proposer = Rejected()
+    params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
     for batch in (1, 2, 4, 8, 16):
         prompts = [[100 + (i * 31 + 7 * b) % 40000 for i in range(context)] for b in range(batch)]
-        ratios = []
-        for _ in range(repeats):
-            cpu = {}
-            for key, llm in engines.items():
-                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # prompts cached
-                start = time.process_time()
-                llm.generate(prompts, params, use_tqdm=False)
-                cpu[key] = time.process_time() - start
-            ratios.append(cpu["spec"] / cpu["plain"])
-        print(f"{batch} rows: verification step / decode step, CPU time: {statistics.median(ratios):.2f}", flush=True)
+        for llm in engines.values():
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # prompts cached
+        costs = []
+        for proposer.drafts in range(1, 5):
+            ratios = []
+            for _ in range(repeats):
+                cpu = {}
+                for key, llm in engines.items():
+                    start = time.process_time()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    cpu[key] = time.process_time() - start
+                ratios.append(cpu["spec"] / cpu["plain"])
+            costs.append(statistics.median(ratios))
+        print(f"({batch}, ({', '.join(f'{c:.2f}' for c in costs)})),  # 1-4 drafts per row", flush=True)
 
 
 def main() -> None:
@@ -107,8 +115,9 @@ def main() -> None:
     if args.draft_model:
         spec = {"method": "draft_model", "model": args.draft_model, "quantization": args.draft_quantization,
                 "num_speculative_tokens": args.num_speculative_tokens}
-    engines = {"plain": LLM(args.model, kv_cache_memory=64 * 2**20),
-               "spec": LLM(args.model, kv_cache_memory=64 * 2**20, speculative_config=spec)}
+    memory = (256 if args.measure_cost else 64) * 2**20  # measuring: 16 rows of 256 tokens and their drafts fit
+    engines = {"plain": LLM(args.model, kv_cache_memory=memory),
+               "spec": LLM(args.model, kv_cache_memory=memory, speculative_config=spec)}
     print(f"{args.model}, {torch.get_num_threads()} threads, greedy, max_tokens {args.max_tokens}, {spec}")
     if args.measure_cost:
         return measure_cost(engines, args.repeats, args.cost_context)

@@ -1,9 +1,12 @@
 """When the engine speculates and what it reports: per-request acceptance in RequestOutput.metrics,
-totals in llm.stats(); drafts pause after low recent acceptance, a step speculates only where
-it expects to gain, never past VERIFY_COST's batch sizes, and never under a grammar."""
+totals in llm.stats(); drafts pause after low recent acceptance, a step verifies the drafts of
+the sequences that raise its expected tokens per step, only where that gains, never past
+VERIFY_COST's batch sizes, and never under a grammar."""
 from __future__ import annotations
 
 import time
+
+import pytest
 
 from slipstream import LLM, SamplingParams
 from slipstream.speculative import speculator
@@ -51,27 +54,24 @@ def test_low_acceptance_pauses_drafts_for_a_while(tiny_llama):
     assert rejected.metrics.num_accepted_tokens == 0
     # rejected verifications halve the mean (k=4: 4 -> 2 -> 1 -> 0.5) until a verification no longer
     # pays even alone: PAUSE_TOKENS tokens without, then as many more
-    per_pause = next(n for n in range(1, 9) if 1 + 4 / 2**n <= speculator.VERIFY_COST[0][1])
+    per_pause = next(n for n in range(1, 9) if 1 + 4 / 2**n <= speculator.verify_cost(1, 4))
     assert per_pause <= rejected.metrics.num_drafts <= per_pause * (1 + 60 // speculator.PAUSE_TOKENS)
     assert rejected.outputs[0].token_ids == reference.outputs[0].token_ids
 
 
 def test_large_batches_do_not_speculate(tiny_llama, monkeypatch):
-    monkeypatch.setattr(speculator, "VERIFY_COST", FREE[:1] + ((2, 0.0),))
+    monkeypatch.setattr(speculator, "VERIFY_COST", ((2, (0.0,) * 4),))
     llm, _ = _run(tiny_llama, Always(5), prompts=[PROMPT, PROMPT[:4], PROMPT[:5]],
                      params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert llm.stats()["spec_decode_num_drafts"] == 0
-    monkeypatch.setattr(speculator, "VERIFY_COST", FREE[:1] + ((3, 0.0),))
+    monkeypatch.setattr(speculator, "VERIFY_COST", ((3, (0.0,) * 4),))
     llm.engine.speculator.proposer = Always(5)
     llm.generate([PROMPT, PROMPT[:4], PROMPT[:5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
     assert llm.stats()["spec_decode_num_drafts"] > 0
 
 
-def test_a_step_speculates_only_where_it_expects_to_gain(tiny_llama, monkeypatch):
-    """Three rows at a cost of 2.5 decode steps: 3 * 2.5 = 7.5 tokens needed; fresh sequences
-    promise 1 + 4 each (15), two rows with drafts and one without 11, one row with drafts 7."""
-    monkeypatch.setattr(speculator, "VERIFY_COST", ((1, 2.5), (3, 2.5)))
+def _three_fresh_sequences(tiny_llama) -> tuple:
     engine = LLM(tiny_llama, dtype="float32", speculative_config=NGRAM, **SMALL).engine
     seqs = []
     for i, prompt in enumerate([PROMPT, PROMPT[:4], PROMPT[:5]]):
@@ -79,11 +79,54 @@ def test_a_step_speculates_only_where_it_expects_to_gain(tiny_llama, monkeypatch
         seqs.append(engine.scheduler.waiting[-1])
     engine.step()  # prefills
     engine.speculator.proposer = Always(5)
-    assert len(engine.speculator.propose(seqs)) == 3
+    return engine.speculator, seqs
+
+
+def test_a_step_speculates_only_where_it_expects_to_gain(tiny_llama, monkeypatch):
+    """Three rows at 2.5 decode steps once a row has a draft: 3 * 2.5 = 7.5 tokens needed; fresh sequences
+    promise 1 + 4 each (15), two rows with drafts and one without 11, one row with drafts 7."""
+    monkeypatch.setattr(speculator, "VERIFY_COST", ((3, (2.5,) * 4),))
+    spec, seqs = _three_fresh_sequences(tiny_llama)
+    assert len(spec.propose(seqs)) == 3
     seqs[2].spec_paused_until = 10**6
-    assert len(engine.speculator.propose(seqs)) == 2
+    assert len(spec.propose(seqs)) == 2
     seqs[1].spec_paused_until = 10**6
-    assert engine.speculator.propose(seqs) == {}
+    assert spec.propose(seqs) == {}
+
+
+def test_a_step_verifies_only_the_sequences_that_raise_its_rate(tiny_llama, monkeypatch):
+    """Each draft costs a sixth of a decode step: 3 + 4 expected tokens for 1 + 4/6 steps (4.2 a step) beats
+    3 plain, and adding two rows that expect half a token each for 8 drafts more (8 for 3 steps) does not."""
+    monkeypatch.setattr(speculator, "VERIFY_COST", ((3, (1.5, 2.0, 2.5, 3.0)),))
+    spec, seqs = _three_fresh_sequences(tiny_llama)
+    seqs[1].spec_accepted = seqs[2].spec_accepted = 0.5
+    assert list(spec.propose(seqs)) == [seqs[0]]
+    seqs[1].spec_accepted = seqs[2].spec_accepted = 3.0
+    assert len(spec.propose(seqs)) == 3
+
+
+def test_a_probe_proposes_for_one_sequence(tiny_llama, monkeypatch):
+    """After PROBE_STEPS steps without drafts a step speculates anyway, with its most promising sequence
+    alone (a draft model's probe prefills one prompt on the draft, not all of them)."""
+    monkeypatch.setattr(speculator, "VERIFY_COST", ((3, (9.0,) * 4),))  # never pays
+    spec, seqs = _three_fresh_sequences(tiny_llama)
+    seqs[0].spec_accepted, seqs[1].spec_accepted, seqs[2].spec_accepted = 1.0, 3.0, 0.5
+    asked = []
+    propose = spec.proposer.propose
+    monkeypatch.setattr(spec.proposer, "propose", lambda seqs, ks: (asked.append(list(seqs)), propose(seqs, ks))[1])
+    spec._idle.clear()  # the prefill step counted as one without drafts
+    for _ in range(speculator.PROBE_STEPS):
+        assert spec.propose(seqs) == {}
+    assert asked == [] and list(spec.propose(seqs)) == [seqs[1]] == asked[0]
+
+
+def test_verify_cost_interpolates_in_rows_and_drafts(monkeypatch):
+    monkeypatch.setattr(speculator, "VERIFY_COST", ((1, (1.1, 1.2, 1.3, 1.4)), (3, (1.3, 1.6, 1.9, 2.2))))
+    assert speculator.verify_cost(1, 2) == pytest.approx(1.2)
+    assert speculator.verify_cost(3, 3) == pytest.approx(1.3)  # one draft per row
+    assert speculator.verify_cost(2, 4) == pytest.approx((1.2 + 1.6) / 2)  # two per row, between 1 and 3 rows
+    assert speculator.verify_cost(1, 6) == pytest.approx(1.6)  # past the last column along its slope
+    assert speculator.verify_cost(3, 0) == 1.0 and speculator.verify_cost(4, 1) is None
 
 
 def test_grammar_requests_do_not_speculate(tiny_with_tokenizer, monkeypatch):
