@@ -84,9 +84,8 @@ class Gemma3Model(nn.Module):
     def __init__(self, config: Gemma3Config):
         super().__init__()
         rotary = {
-            FULL: RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                  config.rope_scaling),
-            SLIDING: RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_local_theta),
+            FULL: RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling),
+            SLIDING: RotaryEmbedding(config.head_dim, config.rope_local_theta),
         }
         self.embed_scale = config.hidden_size ** 0.5
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)

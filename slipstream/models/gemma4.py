@@ -173,7 +173,7 @@ class Gemma4Model(nn.Module):
         for i, kind in enumerate(config.layer_types):
             key = (kind, config.layer_head_dims[i])
             if key not in rotaries:
-                rotaries[key] = gemma_rotary(key[1], config.max_position_embeddings, config.rope_by_type[kind])
+                rotaries[key] = gemma_rotary(key[1], config.rope_by_type[kind])
             layers.append(Gemma4DecoderLayer(config, i, rotaries[key]))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_last=True)
@@ -284,21 +284,18 @@ def _per_layer_shapes(cfg: dict, layer_types: list[str]) -> tuple[list[int], lis
     return head_dims, kv_heads
 
 
-def gemma_rotary(head_dim: int, max_position: int, params: dict) -> RotaryEmbedding:
+def gemma_rotary(head_dim: int, params: dict) -> RotaryEmbedding:
     """RoPE of one layer type. "proportional" rotates the first `partial_rotary_factor` of the
     frequency pairs (exponents still over the whole head) and leaves the rest unrotated."""
     rope_type = params.get("rope_type", "default")
     if rope_type not in ("default", "proportional"):
         raise UnsupportedModelError(f"Gemma 4 rope type {rope_type!r} is not supported; supported: default, proportional")
     theta = params.get("rope_theta", 10_000.0)
-    rotary = RotaryEmbedding(head_dim, max_position, theta)
+    rotary = RotaryEmbedding(head_dim, theta)
     if rope_type == "proportional":
         rotated = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
         inv_freq = torch.zeros(head_dim // 2)
         inv_freq[:rotated] = 1.0 / theta ** (torch.arange(0, 2 * rotated, 2).float() / head_dim)
         rotary.inv_freq = inv_freq / params.get("factor", 1.0)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rotary.inv_freq)
-        rotary.cos.copy_(freqs.cos())
-        rotary.sin.copy_(freqs.sin())
     return rotary
 

@@ -144,8 +144,7 @@ class LlamaForCausalLM(CausalLM):
         )
 
     def __init__(self, config: ModelConfig):
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                 config.rope_theta, config.rope_scaling)
+        rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         layers = [DecoderLayer(config, LlamaAttention(config, rotary, config.sliding_window), self.mlp(config, i))
                   for i in range(config.num_hidden_layers)]
         super().__init__(config, LlamaModel(config, layers))

@@ -33,7 +33,7 @@ def test_rms_norm_kernel_rounds_like_torch(isa, monkeypatch, rows):
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 def test_rotary_kernel_rotates_qkv_views_in_place_like_torch(isa, monkeypatch, tokens):
     torch.manual_seed(0)
-    rotary = RotaryEmbedding(64, 4096, 10000.0)
+    rotary = RotaryEmbedding(64, 10000.0)
     qkv = torch.randn(tokens, (9 + 3 + 3) * 64).bfloat16()
     positions = torch.randint(0, 4096, (tokens,))
 
@@ -45,6 +45,15 @@ def test_rotary_kernel_rotates_qkv_views_in_place_like_torch(isa, monkeypatch, t
     native, reference = _both_paths(monkeypatch, rotate)
     assert not torch.equal(native, qkv)  # it did rotate
     torch.testing.assert_close(native, reference, rtol=0, atol=0)
+
+
+def test_step_tables_are_the_full_table_s_rows():
+    """cos/sin computed for a step's positions are bit for bit the rows of a table over every position."""
+    rotary = RotaryEmbedding(64, 10000.0)
+    positions = torch.tensor([0, 1, 4095, 17, 8191, 5])
+    freqs = torch.outer(torch.arange(8192, dtype=torch.float32), rotary.inv_freq)
+    cos, sin = rotary.tables(positions)
+    assert torch.equal(cos, freqs.cos()[positions]) and torch.equal(sin, freqs.sin()[positions])
 
 
 def test_float32_inputs_keep_the_torch_path(isa, monkeypatch):

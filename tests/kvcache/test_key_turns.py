@@ -14,7 +14,7 @@ from slipstream.kvcache.turboquant_cache import STEADY_TURN, TurboQuantLayerCach
 from slipstream.layers.rotary import RotaryEmbedding
 
 DIM, HEADS, CONTEXT = 64, 2, 8192
-ROTARY = RotaryEmbedding(DIM, CONTEXT, 100_000.0)  # SmolLM2's head size and base
+ROTARY = RotaryEmbedding(DIM, 100_000.0)  # SmolLM2's head size and base
 
 
 def _keys(positions: torch.Tensor, seed: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 
 from slipstream import LLM, SamplingParams
 from slipstream.loader.gguf import GGUFFile
+from slipstream.loader.registry import resolve_model_path
 from tests.models.test_smollm2_reference import MAX_NEW, _prompts, reference  # noqa: F401  (a fixture)
 
 # float32 activations: the blocks' GEMM is dequantize-then-multiply to float32 rounding, so the
@@ -105,6 +106,9 @@ def test_gemma3_as_stored_in_float32_matches_the_widened_path():
     for kwargs in ({"quantization": "gguf"}, {}):
         llm = LLM("gemma3-270m", dtype="float32", max_num_batched_tokens=64, kv_cache_memory=64 * 2**20, **kwargs)
         assert llm.engine.quantization == kwargs.get("quantization")
+        if kwargs:  # as stored, its weight memory is the file's (the rotary tables are made per step)
+            file_bytes = GGUFFile(resolve_model_path("gemma3-270m")).tensor_bytes()
+            assert _weight_bytes(llm.engine.runner.model) <= MEMORY_BOUND * file_bytes
         # 200 tokens in 64-token chunks: every prompt logprob costs a 262k-wide row of logits
         prompts = prompts or [llm.get_tokenizer()(t).input_ids[:200] for t in ("The capital of France is", argparse.__doc__)]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)

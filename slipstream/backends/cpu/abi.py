@@ -83,7 +83,7 @@ class Layer(ctypes.Structure):
 
 class Step(ctypes.Structure):
     """decoder_layer.c: what every layer of a decode step shares."""
-    _fields_ = [("tokens", I64), ("positions", P), ("slots", P), ("block_tables", P), ("context_lens", P),
+    _fields_ = [("tokens", I64), ("slots", P), ("block_tables", P), ("context_lens", P),
                 ("cos", P), ("sin", P), ("max_blocks", I32), ("threads", I32), ("amx", I32 * 3)]
 
 
@@ -114,8 +114,8 @@ class Kernels:
 
     # (x, weight, out, rows, dim, eps, threads)
     rms_norm_bf16 = Function("norm", P, P, P, I64, I32, F32, I32)
-    # (q, k, token stride, tokens, q_heads, k_heads, dim, cos, sin, positions, threads)
-    rotary_bf16 = Function("rotary", P, P, I64, I64, I32, I32, I32, P, P, P, I32)
+    # (q, k, token stride, tokens, q_heads, k_heads, dim, cos [tokens, dim / 2], sin, threads)
+    rotary_bf16 = Function("rotary", P, P, I64, I64, I32, I32, I32, P, P, I32)
     # (k, v, k_cache, v_cache, slots, tokens, token stride, heads, dim, num_slots)
     cache_write_bf16 = Function("cache_write", P, P, P, P, P, I64, I64, I32, I32, I64)
     # (layer, batch, q, out)

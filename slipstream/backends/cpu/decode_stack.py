@@ -51,7 +51,7 @@ def _layer(layer: nn.Module, lib: abi.Kernels) -> tuple[abi.Layer, abi.TurboQuan
     weights = [packed_weight(m, lib) for m in projections]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if (None in weights or attn.qk_norm or getattr(mlp, "act", None) is not F.silu
-            or any(w.dtype != torch.bfloat16 for w in norms) or attn.rotary.cos.dtype != torch.float32
+            or any(w.dtype != torch.bfloat16 for w in norms) or attn.rotary.inv_freq.dtype != torch.float32
             or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
         return None
     turboquant = _turboquant_layer(attn.attn, cache, lib) if isinstance(cache, TurboQuantLayerCache) else None
@@ -157,9 +157,9 @@ def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module, pol
     key = "native decode step"
     if key not in meta.step_cache:
         tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
-        positions = positions.contiguous()
+        cos, sin = rotary.tables(positions)
         amx = [policy.amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4")]  # the C code checks each K
-        step = abi.Step(tokens, positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                        rotary.cos.data_ptr(), rotary.sin.data_ptr(), tables.shape[1], abi.threads(), (abi.I32 * 3)(*amx))
-        meta.step_cache[key] = (step, tables, lens, positions)  # the tensors stay alive with the step
+        step = abi.Step(tokens, meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), cos.data_ptr(),
+                        sin.data_ptr(), tables.shape[1], abi.threads(), (abi.I32 * 3)(*amx))
+        meta.step_cache[key] = (step, tables, lens, cos, sin)  # the tensors stay alive with the step
     return meta.step_cache[key][0]

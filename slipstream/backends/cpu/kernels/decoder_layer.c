@@ -56,8 +56,8 @@ typedef struct {
 // What every layer of a step shares: one decode token per sequence.
 typedef struct {
     int64_t tokens;
-    const int64_t *positions, *slots, *block_tables, *context_lens;  // block_tables [tokens, max_blocks]
-    const float *cos, *sin;                                           // [positions, head_dim / 2]
+    const int64_t *slots, *block_tables, *context_lens;  // block_tables [tokens, max_blocks]
+    const float *cos, *sin;                               // [tokens, head_dim / 2]: each token's rotation
     int32_t max_blocks, threads;
     int32_t amx[3];  // per weight kind: whether its projections take the AMX kernels at this many tokens
 } Step;
@@ -142,8 +142,7 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
     int64_t width = q_size + 2 * kv_size;
     rms_norm_bf16(x, l->input_norm, normed, m, l->hidden, l->eps, s->threads);
     if (project(&l->qkv, s, normed, qkv, l->hidden)) return -1;
-    rotary_bf16(qkv, qkv + q_size, width, m, l->q_heads, l->kv_heads, l->head_dim, s->cos, s->sin, s->positions,
-                s->threads);
+    rotary_bf16(qkv, qkv + q_size, width, m, l->q_heads, l->kv_heads, l->head_dim, s->cos, s->sin, s->threads);
     if (l->turboquant) {
         if (turboquant_attention(l, s, qkv, attn)) return -1;
     } else {

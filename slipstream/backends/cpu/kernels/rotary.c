@@ -1,6 +1,7 @@
 // Rotary embedding ("rotate half" layout) applied in place to bf16 q and k rows.
 // q: [tokens, q_heads, dim] and k: [tokens, k_heads, dim], each token `stride` elements after
-// the last (they are views into one fused QKV output); cos/sin: float32 [positions, dim/2].
+// the last (they are views into one fused QKV output); cos/sin: float32 [tokens, dim/2], row t
+// for token t's position.
 // Arithmetic in float32, rounded to bf16 once, as layers/rotary.py does.
 #include "bf16.h"
 
@@ -17,11 +18,11 @@ static void rotate_heads(uint16_t *x, int heads, int dim, const float *cos, cons
 }
 
 void rotary_bf16(uint16_t *q, uint16_t *k, int64_t stride, int64_t tokens, int q_heads, int k_heads, int dim,
-                 const float *cos, const float *sin, const int64_t *positions, int threads) {
+                 const float *cos, const float *sin, int threads) {
     int half = dim / 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens > 16)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;
+        const float *c = cos + t * half, *s = sin + t * half;
         rotate_heads(q + t * stride, q_heads, dim, c, s);
         rotate_heads(k + t * stride, k_heads, dim, c, s);
     }
