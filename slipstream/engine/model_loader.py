@@ -12,6 +12,7 @@ blocks would have only the torch twin, which dequantizes on every call.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,8 @@ def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: st
     else:
         cfg, weights = read_hf_config(path), safetensors.hf_weights(path)
     config = config_from_hf(cfg)
-    model = build_model(config)
+    with _uninitialized():
+        model = build_model(config)
     model.load_weights(weights)
     _cast(model, dtype)
     model.to(device)
@@ -62,6 +64,21 @@ def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: st
     tokenizer = load_tokenizer(path)
     _add_tokenizer_eos(config, tokenizer)
     return LoadedModel(path, model, config, tokenizer, quantization)
+
+
+@contextmanager
+def _uninitialized():
+    """Parameters left as allocated while a model is built: every one is then loaded (a missing tensor
+    is an error), and random init would write every page of float32 placeholders that a GGUF file's
+    blocks replace unread (SmolLM2: 540 MB). transformers skips it the same way."""
+    saved = {name: getattr(nn.init, name) for name in ("kaiming_uniform_", "uniform_", "normal_")}
+    for name in saved:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, init in saved.items():
+            setattr(nn.init, name, init)
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> None:
