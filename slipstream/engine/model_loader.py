@@ -82,7 +82,7 @@ def _uninitialized():
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> None:
-    """Parameters to `dtype`; buffers (rope tables, GGUF blocks) stay as they are."""
+    """Parameters to `dtype`; buffers (rotary frequencies, GGUF blocks) stay as they are."""
     for param in model.parameters():
         param.data = param.data.to(dtype)
     for module in model.modules():

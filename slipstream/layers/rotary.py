@@ -42,7 +42,7 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, head_dim / 2] float32 of the step's positions [T], computed once per step."""
         if self._step is None or self._step[0] is not positions:
-            freqs = positions.float()[:, None] * self.inv_freq
+            freqs = positions.float()[:, None] * self.inv_freq.float()  # float32 even if the module was cast
             self._step = (positions, freqs.cos(), freqs.sin())
         return self._step[1], self._step[2]
 
