@@ -69,15 +69,16 @@ class Staging:
         for staging in self.host_staging_of[active_blocks].tolist():
             if staging >= 0:
                 self._last_use[staging] = self._clock
-        blocks, self._changed = (slot_mapping // self.block_size).tolist(), []
+        blocks, self._changed = slot_mapping // self.block_size, []
+        block_ids = blocks.tolist()
         for i in (slot_mapping % self.block_size == 0).nonzero().flatten().tolist():
-            self._restage(blocks[i], in_window[i])
+            self._restage(block_ids[i], in_window[i])
         device = self.staging_of.device
         if self._changed and self.staging_of is not self.host_staging_of:
             changed = torch.tensor(self._changed)
             self.staging_of[changed.to(device, non_blocking=True)] = self.host_staging_of[changed].to(
                 device, non_blocking=True)
-        staging = self.host_staging_of[slot_mapping // self.block_size]
+        staging = self.host_staging_of[blocks]
         tokens = (staging >= 0).nonzero().flatten()
         rows = staging[tokens] * self.block_size + slot_mapping[tokens] % self.block_size
         self.writes = (tokens.to(device, non_blocking=True), rows.to(device, non_blocking=True))

@@ -58,9 +58,8 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def host_reads(path: str, monkeypatch, **options) -> collections.Counter:
+def host_reads(path: str, layers: int, monkeypatch, **options) -> collections.Counter:
     monkeypatch.setattr(worker, "select_backend", lambda device, deterministic=None: CudaBackend(device))
-    layers = 2 if path.endswith("2") else 4
     llm = LLM(model=path, dtype="float32", device=DEVICE.type, max_num_batched_tokens=24,
               kv_cache_memory=layers * 2**19, **options)  # the same blocks for every depth: the same steps
     prompts = random_prompts(3, 20, 40, seed=4)
@@ -79,7 +78,7 @@ def host_reads(path: str, monkeypatch, **options) -> collections.Counter:
 def test_no_host_reads_inside_layers(case, tmp_path, monkeypatch):
     family, shape, options = CASES[case]
     shallow, deep = (host_reads(build_tiny_checkpoint(str(tmp_path / f"layers{n}"), family, num_hidden_layers=n,
-                                                      **shape), monkeypatch, **options) for n in (2, 4))
+                                                      **shape), n, monkeypatch, **options) for n in (2, 4))
     per_layer = {where: (shallow[where], deep[where]) for where in shallow | deep if shallow[where] != deep[where]}
     assert not per_layer, f"host reads inside layers (count at 2 layers, at 4): {per_layer}"
     assert shallow, "no host read seen at all: the spy saw nothing (sampling reads its tokens every step)"

@@ -51,7 +51,7 @@ def _layer(layer: nn.Module, lib: abi.Kernels) -> tuple[abi.Layer, abi.TurboQuan
     weights = [packed_weight(m, lib) for m in projections]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if (None in weights or attn.qk_norm or getattr(mlp, "act", None) is not F.silu
-            or any(w.dtype != torch.bfloat16 for w in norms) or attn.rotary.inv_freq.dtype != torch.float32
+            or any(w.dtype != torch.bfloat16 for w in norms)
             or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
         return None
     turboquant = _turboquant_layer(attn.attn, cache, lib) if isinstance(cache, TurboQuantLayerCache) else None

@@ -36,17 +36,23 @@ def _activate(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _gate_up(x, weight, tiles, token, out, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot,
-             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             INTERPRETED: tl.constexpr):
+def _tile(tiles, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's expert, its pairs and which of them are real, and its output columns, those past
+    `width` masked (all of them in an empty tile: it reads no weights)."""
     expert = tl.load(tiles + 3 * tl.program_id(0))
     first = tl.load(tiles + 3 * tl.program_id(0) + 1)
     end = tl.load(tiles + 3 * tl.program_id(0) + 2)
     pairs = first + tl.arange(0, BLOCK_M)
-    pair_ok = pairs < end
-    rows = tl.load(token + pairs, mask=pair_ok, other=0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < tl.where(first < end, inter, 0)  # an empty tile reads no weights
+    return expert, pairs, pairs < end, cols, cols < tl.where(first < end, width, 0)
+
+
+@triton.jit
+def _gate_up(x, weight, tiles, token, out, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot,
+             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             INTERPRETED: tl.constexpr):
+    expert, pairs, pair_ok, cols, col_ok = _tile(tiles, inter, BLOCK_M, BLOCK_N)
+    rows = tl.load(token + pairs, mask=pair_ok, other=0)
     w = weight + expert.to(tl.int64) * stride_we
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -67,13 +73,7 @@ def _gate_up(x, weight, tiles, token, out, hidden, inter, stride_xt, stride_we, 
 @triton.jit
 def _down(h, weight, tiles, pair_weights, out, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    expert = tl.load(tiles + 3 * tl.program_id(0))
-    first = tl.load(tiles + 3 * tl.program_id(0) + 1)
-    end = tl.load(tiles + 3 * tl.program_id(0) + 2)
-    pairs = first + tl.arange(0, BLOCK_M)
-    pair_ok = pairs < end
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < tl.where(first < end, hidden, 0)  # an empty tile reads no weights
+    expert, pairs, pair_ok, cols, col_ok = _tile(tiles, hidden, BLOCK_M, BLOCK_N)
     w = weight + expert.to(tl.int64) * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
