@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from slipstream import LLM, SamplingParams
-from slipstream.layers.gguf_linear import segments
 from slipstream.layers.linear import Linear
 from throughput import load_reference, run_slipstream, run_transformers, workload
 
@@ -187,8 +186,8 @@ def _read_by(layer: Linear) -> list[torch.Tensor]:
         return [layer.packed, layer.scale_f32] if hasattr(layer, "scale_f32") else [layer.qweight, layer.scale]
     if fmt == "w8a8":
         return [layer.qweight, layer.scale]
-    if fmt == "gguf":
-        return [rows.data for rows in segments(layer)]
+    if fmt == "gguf":  # the file's blocks, or Q4 repacked: whichever the layer holds
+        return list(layer.buffers(recurse=False))
     return [layer.weight]
 
 

@@ -23,7 +23,8 @@ class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"
     # "int8" / "int4" weight-only, "w8a8" int8 weights and activations, "gguf" a GGUF file's blocks
-    # as stored (CPU); None: weights as loaded, a GGUF file's dequantized to the model dtype
+    # as stored (CPU); None: weights as loaded: a quantized GGUF file's as stored where the backend runs
+    # its blocks natively and dtype is "auto", else dequantized to the model dtype
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_dense_layers: int = 0  # TurboQuant: first and last N layers keep a 16-bit cache
@@ -123,9 +124,6 @@ class EngineConfig:
             raise ValueError("enable_expert_parallel=True splits experts over ranks: it needs tensor_parallel_size > 1")
         if size == 1:
             return
-        if self.quantization == "gguf":
-            raise ValueError(f"tensor_parallel_size={size} does not split GGUF blocks as stored "
-                             "(quantization='gguf'); leave quantization unset to load them widened")
         if not self.enforce_eager:
             raise ValueError(f"tensor_parallel_size={size} does not capture CUDA graphs; keep enforce_eager=True")
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":

@@ -30,6 +30,9 @@ class Backend:
     # whatever else shares the step, however a prompt is chunked, cached or recomputed: one
     # kernel and one reduction order per token. Library GEMMs and SDPA block by shape: no.
     batch_invariant = False
+    # Whether a GGUF file's blocks run natively here (not dequantized on every call): a quantized GGUF
+    # then loads as stored by default (engine/model_loader.py).
+    runs_gguf_blocks = False
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -4,7 +4,9 @@ A sharded parameter carries `tp_shards`, one `Shard` per checkpoint tensor that 
 q, k and v parts of a fused projection each have their own; a tensor the checkpoint already
 stores fused has key None). The weight loader narrows each tensor to its shard before
 copying it, so a rank copies only what it holds. Parameters of a single-rank model carry
-none. This module never knows layers or models.
+none. A tensor may also be a GGUF file's blocks (layers/gguf_linear.py's GGUFWeight, which
+narrows, zero-fills and joins as tensors do, along K in whole blocks). This module never
+knows layers or models.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ class Shard:
             shape = list(tensor.shape)
             shape[self.dim] = missing
             parts.append(tensor.new_zeros(shape))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts, self.dim) if isinstance(parts[0], torch.Tensor) else type(parts[0]).cat(parts, self.dim)
 
 
 def set_shards(param: torch.Tensor, shards: dict[int | None, Shard]) -> None:

@@ -60,7 +60,7 @@ class LLMEngine:
         self.device, self.dtype, self.backend, self.kv_cache = worker.device, worker.dtype, worker.backend, worker.kv_cache
         loaded = worker.loaded
         self.model_path, self.model_config = loaded.path, loaded.config
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer, self.quantization = loaded.tokenizer, loaded.quantization
         if config.deterministic:
             self._check_deterministic(loaded.model)
         self.max_model_len = worker.max_model_len
@@ -89,7 +89,6 @@ class LLMEngine:
         self._last_log = time.monotonic()
         if self.kv_cache.needs_calibration:
             self._calibrate_kv_cache()
-        self.quantization = loaded.quantization
         logger.info("model %s (%s) on %s, %s, weights %s; KV cache %s, %.0f MiB: %d blocks x %d "
                     "tokens = %d tokens, %d bytes/token", config.model, self.model_config.architecture, self.device,
                     str(self.dtype).replace("torch.", ""), _weights_description(loaded.quantization),
@@ -114,8 +113,8 @@ class LLMEngine:
     def _check_deterministic(self, model) -> None:
         """deterministic=True is honoured or refused: the parts no invariant kernel serves are named."""
         gaps = [f"dtype {self.dtype} (bfloat16 only)"] * (self.dtype != torch.bfloat16)
-        gaps += [f"quantization {self.config.quantization!r} (None, 'int8' or 'int4' only)"] * (
-            self.config.quantization not in (None, "int8", "int4"))
+        gaps += [f"quantization {self.quantization!r} (None, 'int8', 'int4' or 'gguf' only)"] * (
+            self.quantization not in (None, "int8", "int4", "gguf"))
         gaps += [f"kv_cache_dtype {self.config.kv_cache_dtype!r} (a bfloat16 cache only)"] * (
             self.kv_cache.kv_dtype.dense != torch.bfloat16)
         gaps += self.backend.invariance_gaps(model)

@@ -5,10 +5,12 @@ directory into a config dict and named tensors, models/ turns those into a loade
 here the weights are then cast and handed to the backend, which lays them out (quantized,
 packed) for its GEMMs.
 
-A GGUF file's tensors are dequantized to the model dtype, unless quantization="gguf" (vLLM's
-name for these files) keeps its blocks as stored. That is opt-in while its kernels are slower
-than the widened default's (README, GGUF weights as stored), and CPU-only: elsewhere the
-blocks would have only the torch twin, which dequantizes on every call.
+A quantized GGUF file runs as stored (quantization="gguf", vLLM's name for these files): its
+blocks are the model's memory and its GEMM's operands, where the backend runs them natively
+(`runs_gguf_blocks`: the CPU backend with its kernels; elsewhere the blocks would have only the
+torch twin, which dequantizes on every call) and the dtype was left to the engine ("auto").
+A dtype asked for (`dtype="bfloat16"`) widens the file's tensors to it, as a file without
+blocks always is.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from slipstream.backends.base import Backend
-from slipstream.layers.gguf_linear import GGUFEmbedding
+from slipstream.layers.gguf_linear import has_blocks
 from slipstream.loader import safetensors
 from slipstream.loader.gguf import GGUFFile
 from slipstream.loader.hf_config import read_hf_config
@@ -38,7 +40,10 @@ class LoadedModel:
     quantization: str | None = None  # the format the weights run in ("gguf": as the file stores them)
 
 
-def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: str | None = None) -> LoadedModel:
+def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: str | None = None,
+               widen: bool = False) -> LoadedModel:
+    """widen: a quantized GGUF file's tensors dequantized to `dtype` unless quantization="gguf" asks
+    for its blocks (a dtype was named); else they run as stored where the backend runs them natively."""
     device = backend.device
     if quantization and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on PyTorch's CPU kernels; "
@@ -46,6 +51,8 @@ def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: st
     path = resolve_model_path(name)
     if path.endswith(".gguf"):
         gguf = GGUFFile(path)
+        if quantization is None and not widen and backend.runs_gguf_blocks and gguf.is_quantized():
+            quantization = "gguf"
         if quantization == "gguf" and not gguf.is_quantized():
             raise ValueError(f"quantization='gguf' runs a GGUF file's blocks; {path!r} holds no block format")
         cfg, weights = gguf.hf_config(), gguf.hf_weights(as_stored=quantization == "gguf")
@@ -82,11 +89,12 @@ def _uninitialized():
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> None:
-    """Parameters to `dtype`; buffers (rotary frequencies, GGUF blocks) stay as they are."""
+    """Parameters to `dtype`; buffers (rotary frequencies, GGUF blocks) stay as they are, and the
+    modules holding blocks learn the dtype their activations run in."""
     for param in model.parameters():
         param.data = param.data.to(dtype)
     for module in model.modules():
-        if isinstance(module, GGUFEmbedding):
+        if has_blocks(module):
             module.dtype = dtype
 
 

@@ -7,8 +7,9 @@ are gathered and cut back to the vocabulary. With one rank both are the plain mo
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slipstream.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
@@ -31,12 +32,19 @@ class VocabParallelEmbedding(nn.Embedding):
             set_shards(self.weight, {None: shard})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
-            return super().forward(ids)
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.num_embeddings)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+        return vocab_parallel_lookup(ids, self.vocab_start, self.num_embeddings, super().forward)
+
+
+def vocab_parallel_lookup(ids: torch.Tensor, vocab_start: int, rows: int,
+                          lookup: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`lookup` of local rows: with one rank the ids themselves, else the rows this rank holds
+    (zeros for the others), summed over the ranks."""
+    if tp_size() == 1:
+        return lookup(ids)
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= rows)
+    x = lookup(local.masked_fill(outside, 0))
+    return all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class ParallelLMHead(Linear):

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.layers.embedding import vocab_parallel_lookup
 from slipstream.layers.gguf_formats import BlockFormat, block_format, dequantize_rows
 from slipstream.layers.linear import Linear, LinearMethod
 
@@ -35,8 +36,9 @@ class GGUFWeight:
 
     def __init__(self, segments: list[BlockRows], k: int):
         for s in segments:
-            if s.data.dtype != torch.uint8 or s.data.dim() != 2 or s.data.shape[1] != s.fmt.row_bytes(k):
-                raise ValueError(f"{s.fmt.name} blocks for K={k} must be uint8 [rows, {s.fmt.row_bytes(k)}]; "
+            if (s.data.dtype != torch.uint8 or s.data.dim() != 2 or s.data.shape[1] != s.fmt.row_bytes(k)
+                    or not s.data.is_contiguous()):  # the kernels read rows of exactly row_bytes(k)
+                raise ValueError(f"{s.fmt.name} blocks for K={k} must be contiguous uint8 [rows, {s.fmt.row_bytes(k)}]; "
                                  f"got {s.data.dtype} {tuple(s.data.shape)}")
         self.segments, self.k = segments, k
 
@@ -60,6 +62,32 @@ class GGUFWeight:
         merged = [r[0] if len(r) == 1 else BlockRows(r[0].fmt, torch.cat([s.data for s in r])) for r in runs]
         return GGUFWeight(merged, weights[0].k)
 
+    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
+        """Rows [start, start + length) (dim 0), or those columns of every row (dim 1: whole blocks
+        only), as a tensor-parallel shard takes them (distributed/shard.py)."""
+        if dim == 1:
+            return GGUFWeight([BlockRows(s.fmt, s.data[:, _block_bytes(s.fmt, start, self.k):
+                                                      _block_bytes(s.fmt, start + length, self.k)].contiguous())
+                               for s in self.segments], length)
+        segments, first = [], 0
+        for s in self.segments:
+            lo, hi = max(start - first, 0), min(start + length - first, s.data.shape[0])
+            if lo < hi:
+                segments.append(BlockRows(s.fmt, s.data[lo:hi]))
+            first += s.data.shape[0]
+        return GGUFWeight(segments, self.k)
+
+    def new_zeros(self, shape: list[int]) -> GGUFWeight:
+        """`shape[0]` rows of zero weights (all-zero blocks: every scale 0), in the first segment's format."""
+        fmt = self.segments[0].fmt
+        return GGUFWeight([BlockRows(fmt, torch.zeros(shape[0], fmt.row_bytes(shape[1]), dtype=torch.uint8))], shape[1])
+
+    @staticmethod
+    def cat(weights: list[GGUFWeight], dim: int) -> GGUFWeight:
+        if dim != 0:
+            raise ValueError("GGUF weights join by whole rows (dim 0) only")
+        return GGUFWeight.concat(weights)
+
     def dequantize(self) -> torch.Tensor:
         return torch.cat([dequantize_rows(s.fmt, s.data) for s in self.segments])
 
@@ -67,17 +95,28 @@ class GGUFWeight:
         return sum(s.data.nbytes for s in self.segments)
 
 
+def _block_bytes(fmt: BlockFormat, column: int, k: int) -> int:
+    """Where column `column` starts in a row's bytes; it must start a block."""
+    if column % fmt.block_size:
+        raise ValueError(f"a split of {fmt.name} rows (K={k}) at column {column} cuts a block: tensor parallelism "
+                         f"splits them at multiples of {fmt.block_size} only (choose a tensor_parallel_size that does)")
+    return column // fmt.block_size * fmt.type_size
+
+
 def attach(model: nn.Module, param_name: str, weight: GGUFWeight) -> None:
-    """Give the blocks to every module whose weight is `param_name`'s parameter (a tied head and
-    its embedding); their float weight is dropped."""
+    """Give the blocks to every module whose weight is `param_name`'s parameter; their float weight is
+    dropped. An embedding tied to an LM head reads the head's blocks (through the head's method, in
+    whatever layout a backend gives them), not a copy."""
     param = model.get_parameter(param_name)
     owners = [(name, m) for name, m in model.named_modules() if getattr(m, "weight", None) is param]
+    heads = [m for _, m in owners if isinstance(m, Linear)]
     for name, module in owners:
         if isinstance(module, Linear):
             _attach_linear(module, weight)
         elif isinstance(module, nn.Embedding):
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, GGUFEmbedding(weight))
+            setattr(model.get_submodule(parent), child,
+                    GGUFEmbedding(weight, head=heads[0] if heads else None, vocab_start=getattr(module, "vocab_start", 0)))
         else:
             raise TypeError(f"{param_name!r} belongs to a {type(module).__name__}, which cannot hold GGUF blocks")
 
@@ -118,19 +157,36 @@ class GGUFLinear(LinearMethod):
         """x [M, K] times one segment's weight, transposed: [M, rows] float32."""
         return F.linear(x.float(), dequantize_rows(rows.fmt, rows.data))
 
+    def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, float32 [len(ids), K] (a tied embedding's lookup)."""
+        (blocks,) = segments(layer)
+        return dequantize_rows(blocks.fmt, blocks.data[ids])
+
 
 class GGUFEmbedding(nn.Module):
-    """An embedding table as stored: a lookup dequantizes the rows it reads, to `dtype`."""
+    """An embedding table as stored: a lookup dequantizes the rows it reads, to `dtype`. Tied to an
+    LM head (`head`), it holds no blocks: the head's method reads its rows."""
 
-    def __init__(self, weight: GGUFWeight, dtype: torch.dtype = torch.float32):
+    def __init__(self, weight: GGUFWeight, dtype: torch.dtype = torch.float32, head: Linear | None = None,
+                 vocab_start: int = 0):
         super().__init__()
+        self.vocab_start = vocab_start  # of this rank's rows under tensor parallelism
         if len(weight.segments) != 1:
             raise ValueError("a GGUF embedding table is one tensor of one block format")
         self.num_embeddings, self.embedding_dim = weight.shape
         self.block_formats, self.dtype = (weight.segments[0].fmt,), dtype
-        self.register_buffer("blocks0", weight.segments[0].data)
+        self.tied = (head,) if head is not None else ()  # a tuple: the head stays a submodule of its model alone
+        if head is None:
+            self.register_buffer("blocks0", weight.segments[0].data)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        (rows,) = segments(self)
-        x = dequantize_rows(rows.fmt, rows.data[ids.reshape(-1)])
+        return vocab_parallel_lookup(ids, self.vocab_start, self.num_embeddings, self._lookup)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if self.tied:
+            x = self.tied[0].method.rows(self.tied[0], flat)
+        else:
+            (blocks,) = segments(self)
+            x = dequantize_rows(blocks.fmt, blocks.data[flat])
         return x.reshape(*ids.shape, self.embedding_dim).to(self.dtype)

@@ -133,3 +133,17 @@ def test_smollm2_native_decode_matches_transformers(gemm_isa, smollm2_reference,
         reference = logits.log_softmax(-1).gather(1, torch.tensor(out.outputs[0].token_ids).unsqueeze(1)).squeeze(1)
         difference = (ours - reference).abs().mean().item()
         assert difference <= SMOLLM2_DECODE_TOLERANCE[quantization], difference
+
+
+@pytest.mark.parametrize("sequences", SEQUENCES)
+def test_native_decode_of_gguf_blocks_matches_the_per_kernel_path(gemm_isa, monkeypatch, sequences):
+    """The bundled SmolLM2 as stored: its Q4_1 layers repacked for gemm.c's int4 kernels (the q4 kind)."""
+    prompts = random_prompts(sequences, 3, 20, seed=2)
+    calls = _count_calls(monkeypatch)
+    llm, tokens, logprobs = _generate("smollm2-135m", "gguf", prompts, block_size=4, kv_cache_memory=2**24)
+    assert calls[0] == 9
+    monkeypatch.setattr(DecodeStack, "described", lambda self: None)
+    _, expected_tokens, expected_logprobs = _generate("smollm2-135m", "gguf", prompts, block_size=4,
+                                                      kv_cache_memory=2**24)
+    assert tokens == expected_tokens
+    assert torch.equal(logprobs, expected_logprobs)

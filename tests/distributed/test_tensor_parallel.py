@@ -84,7 +84,7 @@ def test_refuses_what_it_cannot_split(tmp_path):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=f"tensor_parallel_size={bad!r} must be a positive integer"):
             LLM(path, tensor_parallel_size=bad)
-    with pytest.raises(ValueError, match="does not split GGUF blocks as stored"):
+    with pytest.raises(ValueError, match="quantization='gguf' runs a GGUF file's blocks"):
         LLM(path, tensor_parallel_size=2, quantization="gguf")
 
 
@@ -121,8 +121,11 @@ def test_shutdown_leaves_no_worker(tiny_llama):
 
 
 @pytest.mark.slow
-def test_smollm2_tp2_matches_tp1(smollm2_gguf):
-    """SmolLM2's 9 query and 3 KV heads split 6 + 3 and 2 + 1, with chunks, cache hits and preemptions."""
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_smollm2_tp2_matches_tp1(smollm2_gguf, quantization):
+    """SmolLM2's 9 query and 3 KV heads split 6 + 3 and 2 + 1, with chunks, cache hits and preemptions;
+    as stored, its blocks split by rows (q/k/v, gate/up, the vocabulary) and along K in whole blocks
+    (o and down: 288 and 768 columns, 9 and 24 blocks of 32)."""
     tokenizer = load_tokenizer(smollm2_gguf)
     shared = "You are a careful assistant. Answer briefly and cite the rule you used. Question: "
     texts = [shared + "what is 2 + 2?", shared + "which planet is largest?", "def fibonacci(n):\n    ",
@@ -130,8 +133,8 @@ def test_smollm2_tp2_matches_tp1(smollm2_gguf):
     prompts = [tokenizer(t).input_ids for t in texts]
     head_bytes = 2 * 4 * 64 * 30  # K and V, float32, 30 layers of 64-wide heads
     blocks = 20  # 80 tokens for prompts of 6-22 tokens and 12 more each
-    single, single_stats = _run(smollm2_gguf, 1, 3, head_bytes, prompts, blocks)
-    split, split_stats = _run(smollm2_gguf, 2, 2, head_bytes, prompts, blocks)
+    single, single_stats = _run(smollm2_gguf, 1, 3, head_bytes, prompts, blocks, quantization=quantization)
+    split, split_stats = _run(smollm2_gguf, 2, 2, head_bytes, prompts, blocks, quantization=quantization)
     assert single_stats["num_blocks"] == split_stats["num_blocks"]
     assert single_stats["num_preemptions"] > 0 and single_stats["prefix_cache_hits"] > 0
     assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]

@@ -89,10 +89,12 @@ def test_loaded_blocks_round_trip_to_the_file_s_bytes(smollm2_gguf):
     assert torch.equal(v, torch.from_numpy(np.array(tensors["blk.3.attn_v.weight"].data)))
     down, = segments(model.model.layers[29].mlp.down_proj)
     assert torch.equal(down.data, torch.from_numpy(np.array(tensors["blk.29.ffn_down.weight"].data)))
-    embedding, = segments(model.model.embed_tokens)
-    head, = segments(model.lm_head)  # tied: the embedding's own blocks, not a copy
-    assert head.data.data_ptr() == embedding.data.data_ptr()
-    assert torch.equal(embedding.data, torch.from_numpy(np.array(tensors["token_embd.weight"].data)))
+    head, = segments(model.lm_head)
+    assert torch.equal(head.data, torch.from_numpy(np.array(tensors["token_embd.weight"].data)))
+    embedding = model.model.embed_tokens  # tied: it reads the head's blocks and holds none of its own
+    assert embedding.tied[0] is model.lm_head and not list(embedding.buffers())
+    ids = torch.tensor([[0, 7], [49151, 7]])
+    assert torch.equal(embedding(ids), dequantize_rows(head.fmt, head.data)[ids].bfloat16())
 
 
 def test_rope_row_permutation_is_undone_exactly():
@@ -141,10 +143,27 @@ def test_embedding_lookup_dequantizes_the_rows_it_reads():
     assert torch.equal(GGUFEmbedding(w, torch.bfloat16)(ids), expected.bfloat16())
 
 
+def test_tensor_parallel_shards_take_whole_rows_and_whole_blocks():
+    from slipstream.distributed.shard import Shard
+
+    w = _mixed_weight()  # 80 x 256: Q5_0 rows 0-63, Q8_0 rows 64-79
+    full = w.dequantize()
+    rows = Shard(0, ((40, 40),)).take(w)  # across the formats' boundary
+    assert [s.fmt.name for s in rows.segments] == ["Q5_0", "Q8_0"] and torch.equal(rows.dequantize(), full[40:])
+    fused = Shard(0, ((0, 8), (64, 8))).take(w)  # a rank's parts of a fused projection
+    assert torch.equal(fused.dequantize(), torch.cat([full[:8], full[64:72]]))
+    columns = Shard(1, ((128, 128),)).take(w)  # a row-parallel layer's half of K
+    assert columns.k == 128 and torch.equal(columns.dequantize(), full[:, 128:])
+    padded = Shard(0, ((64, 16),), 24).take(w)  # the last rank's vocabulary rows, padded with zeros
+    assert torch.equal(padded.dequantize(), torch.cat([full[64:], torch.zeros(8, 256)]))
+    with pytest.raises(ValueError, match="at column 48 cuts a block: tensor parallelism splits them at multiples of 32"):
+        Shard(1, ((48, 208),)).take(w)
+
+
 def test_bad_blocks_are_clear_errors():
     with pytest.raises(ValueError, match="'Q3_K' is not supported; supported: Q4_0"):
         block_format("Q3_K")
-    with pytest.raises(ValueError, match=r"Q4_1 blocks for K=64 must be uint8 \[rows, 40\]"):
+    with pytest.raises(ValueError, match=r"Q4_1 blocks for K=64 must be contiguous uint8 \[rows, 40\]"):
         GGUFWeight.from_blocks("Q4_1", torch.zeros(4, 36, dtype=torch.uint8), 64)
     with pytest.raises(ValueError, match="whole blocks of 256 weights; got K=320"):
         block_format("Q4_K").row_bytes(320)

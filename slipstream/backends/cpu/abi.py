@@ -84,7 +84,7 @@ class Layer(ctypes.Structure):
 class Step(ctypes.Structure):
     """decoder_layer.c: what every layer of a decode step shares."""
     _fields_ = [("tokens", I64), ("slots", P), ("block_tables", P), ("context_lens", P),
-                ("cos", P), ("sin", P), ("max_blocks", I32), ("threads", I32), ("amx", I32 * 3)]
+                ("cos", P), ("sin", P), ("max_blocks", I32), ("threads", I32), ("amx", I32 * 4)]
 
 
 # each mirror and the kernel that exports its C size (`sizeof_<name>`), checked when a build loads
@@ -136,6 +136,9 @@ class Kernels:
     gemm_bf16 = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int4 = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    # int4 with float16 scale and low (NULL: -8 scale), int8 with a float16 scale per group of 32 and column
+    gemm_q4 = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_q8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     # 1 where built with AMX tiles and Linux lets this process use them, else 0 and the _amx calls return -1;
     # the same arguments as above; _silu: the weight is a fused [gate; up] and y [M, N/2] = silu(gate) * up
     gemm_amx_available = Function("gemm", restype=ctypes.c_int)
@@ -147,6 +150,8 @@ class Kernels:
     gemm_int8_amx_widened = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8_amx_widened_silu = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_q4_amx = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_q4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     # (gate_up, act, tokens, width, threads): act [tokens, width] = silu(gate) * up, as the _silu epilogues round
     silu_and_mul_bf16 = Function("gemm", P, P, I64, I64, I32, restype=STATUS)
     moe_expert_available = Function("moe_expert", restype=ctypes.c_int)
@@ -173,6 +178,7 @@ class Kernels:
     weight_kind_bf16 = Constant("decoder_layer")
     weight_kind_int8 = Constant("decoder_layer")
     weight_kind_int4 = Constant("decoder_layer")
+    weight_kind_q4 = Constant("decoder_layer")
 
     def __init__(self, isa: str, libraries: dict[str, ctypes.CDLL]):
         self.isa = isa

@@ -21,7 +21,7 @@ from slipstream.backends.base import AttentionImpl
 from slipstream.backends.cpu.attention import dense_attention, dense_decode, turboquant_decode, turboquant_prefill
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
-from slipstream.backends.cpu.gguf_linear import DEQUANTIZE_MIN_ROWS, NativeGGUF
+from slipstream.backends.cpu.gguf_linear import DEQUANTIZE_MIN_ROWS, NativeGGUF, NativeQ4, NativeQ8, repackable
 from slipstream.backends.cpu.linear import (INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy,
                                             NativeBf16, NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
 from slipstream.backends.cpu.moe import UPCAST_MIN_TOKENS, CpuExperts
@@ -38,12 +38,15 @@ class CpuBackend(ReferenceBackend):
         that is free (None: without AMX; on AMX the fast paths' row-count choices win up to 2x)."""
         super().__init__(torch.device("cpu"))
         self.capability = capability
+        self.runs_gguf_blocks = capability.kernels is not None
         self.batch_invariant = capability.gemm and (not capability.amx_kernels if deterministic is None
                                                     else deterministic)
         self.policy = GemmPolicy(amx=capability.amx_kernels, invariant=self.batch_invariant)
         upcast = not capability.amx  # without AMX, float32 GEMMs beat oneDNN's bf16 on large batches
         self.native = {None: NativeBf16(self.policy, upcast), "int8": NativeInt8(self.policy),
                        "int4": NativeInt4(self.policy)}
+        self.repacked = {"Q4_0": NativeQ4(self.policy, upcast), "Q4_1": NativeQ4(self.policy, upcast),
+                         "Q8_0": NativeQ8(self.policy, upcast)}
         self.bf16 = OneDnnBf16(upcast) if torch.backends.mkldnn.is_available() else Upcast(upcast)
         expert_kernel = ("amx" if capability.amx_kernels else "avx512") if capability.moe_expert else None
         self.experts = CpuExperts(expert_kernel, upcast, self.batch_invariant)
@@ -65,6 +68,8 @@ class CpuBackend(ReferenceBackend):
     def linear_method(self, layer: Linear, fmt: str | None) -> LinearMethod:
         if self.capability.gemm and fmt in self.native and native_fits(layer, fmt):
             return self.native[fmt]
+        if self.capability.gemm and fmt == "gguf" and repackable(layer):
+            return self.repacked[layer.block_formats[0].name]
         if fmt is None and layer.weight.dtype == torch.bfloat16:
             return self.bf16
         if fmt == "gguf" and self.capability.kernels is not None:
@@ -78,7 +83,7 @@ class CpuBackend(ReferenceBackend):
         return DecodeStack(model.model.layers, self.policy) if self.capability.gemm else None
 
     def invariance_gaps(self, model: nn.Module) -> list[str]:
-        native = list(self.native.values())  # the methods bound to layers gemm.c tiles
+        native = [*self.native.values(), *self.repacked.values()]  # the methods bound to layers gemm.c tiles
         linear = [n for n, m in model.named_modules() if isinstance(m, Linear) and m.method not in native]
         experts = [n for n, m in model.named_modules() if isinstance(m, Experts) and not self.experts.serves(m)]
         return [f"{what} {_first(names)} ({why})" for what, names, why in (
@@ -92,9 +97,7 @@ class CpuBackend(ReferenceBackend):
                 "attention: " + (f"{prefill} on bf16 caches; TurboQuant codes natively for decode and prefill over a "
                                  "cached prefix; torch for other prefill" if native else "torch"),
                 "linear: " + _linear_policy(cap, self.policy),
-                "GGUF weights: " + ("as stored (quantization='gguf'), kernels/gguf_gemm.c below "
-                                    f"{DEQUANTIZE_MIN_ROWS} rows, dequantized tiles on oneDNN above; the per-layer "
-                                    "path, not the decode stack" if native else "as stored, dequantized per call (torch)"),
+                "GGUF weights: " + _gguf_policy(cap, native),
                 "MoE experts: " + _experts_policy(self.experts),
                 "decode stack: " + (_decode_stack_policy(self.policy) if cap.gemm else "none (the per-layer torch path)"),
                 "batch invariance: " + _invariance(cap, self.batch_invariant)]
@@ -112,6 +115,15 @@ def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
                 f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")
     upcast = "oneDNN bf16 (AMX) above" if cap.amx else "float32 GEMMs above"
     return f"oneDNN packed bf16 weights below {UPCAST_MIN_ROWS} rows, {upcast}; int8/int4 on PyTorch's kernels"
+
+
+def _gguf_policy(cap: CpuCapability, native: bool) -> str:
+    if not native:
+        return "as stored, dequantized per call (torch)"
+    q4 = ("Q4_0/Q4_1 repacked for the int4 kernels above (and the decode stack), Q8_0 for the int8 loops; "
+          if cap.gemm else "")
+    return (f"as stored (quantization='gguf'): {q4}other formats on kernels/gguf_gemm.c below {DEQUANTIZE_MIN_ROWS} "
+            "rows, dequantized tiles on oneDNN above")
 
 
 def _decode_stack_policy(policy: GemmPolicy) -> str:

@@ -158,8 +158,9 @@ def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module, pol
     if key not in meta.step_cache:
         tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
         cos, sin = rotary.tables(positions)
-        amx = [policy.amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4")]  # the C code checks each K
+        # per weight kind (q4: GGUF's Q4 repacked, on int4's kernels); the C code checks each K
+        amx = [policy.amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4", "int4")]
         step = abi.Step(tokens, meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), cos.data_ptr(),
-                        sin.data_ptr(), tables.shape[1], abi.threads(), (abi.I32 * 3)(*amx))
+                        sin.data_ptr(), tables.shape[1], abi.threads(), (abi.I32 * 4)(*amx))
         meta.step_cache[key] = (step, tables, lens, cos, sin)  # the tensors stay alive with the step
     return meta.step_cache[key][0]

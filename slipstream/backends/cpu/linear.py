@@ -145,10 +145,11 @@ class NativeBf16(LinearMethod):
         return abi.Weight(lib.weight_kind_bf16, layer.packed.data_ptr(), None, None, layer.out_features)
 
 
-class _NativeCodes:
+class NativeCodes:
     """Mixed into a format's torch method: its codes also packed for kernels/gemm.c."""
 
     policy: GemmPolicy
+    layout: str  # the GemmPolicy's name for the packed codes: "int8" or "int4"
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel(layer, x)
@@ -166,12 +167,14 @@ class _NativeCodes:
         return native_silu_and_mul(self.apply(layer, x))
 
     def _kernel(self, layer: Linear, x: torch.Tensor) -> str | None:
-        return self.policy.kernel(self.name, x.shape[0], layer.in_features) if x.dtype == torch.bfloat16 else None
+        return self.policy.kernel(self.layout, x.shape[0], layer.in_features) if x.dtype == torch.bfloat16 else None
 
 
-class NativeInt8(_NativeCodes, Int8):
+class NativeInt8(NativeCodes, Int8):
     """int8 codes multiplied in integer arithmetic against 16-bit fixed-point activations; the
     codes are a second, packed copy."""
+
+    layout = "int8"
 
     def __init__(self, policy: GemmPolicy):
         self.policy = policy
@@ -189,7 +192,9 @@ class NativeInt8(_NativeCodes, Int8):
                           layer.out_features)
 
 
-class NativeInt4(_NativeCodes, Int4):
+class NativeInt4(NativeCodes, Int4):
+    layout = "int4"
+
     def __init__(self, policy: GemmPolicy):
         self.policy = policy
 
@@ -202,13 +207,10 @@ class NativeInt4(_NativeCodes, Int4):
         """For kernels/gemm.c: codes as [N/16, K/8, 16, 4] bytes, eight K steps per column's
         dword with nibbles in the order 0 2 4 6 1 3 5 7; scale and low (the group's minimum)
         [N/16, groups, 16] float32 from the kernel's own rounded values."""
-        q = self.codes(layer)
-        n, k = q.shape
-        steps = q.view(n // 16, 16, k // 8, 8)[..., [0, 2, 4, 6, 1, 3, 5, 7]]
-        packed = (steps[..., 0::2] | (steps[..., 1::2] << 4)).transpose(1, 2).contiguous()
+        n = layer.out_features
         scale, zero = layer.scales_and_zeros.float().unbind(-1)  # [groups, N]
         by_block = lambda t: t.view(t.shape[0], n // 16, 16).transpose(0, 1).contiguous()  # noqa: E731
-        return packed, by_block(scale), by_block(zero - 8 * scale)
+        return pack_nibbles(self.codes(layer)), by_block(scale), by_block(zero - 8 * scale)
 
     def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
         return native_matmul(x, layer.packed, layer.packed_scale, layer.packed_low, kernel=kernel, silu=silu)
@@ -242,6 +244,25 @@ def pack_columns(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
 
 
+NIBBLE_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # the K steps of a column's dword of codes, low nibbles first
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] 4-bit codes (uint8) -> [N/16, K/8, 16, 4] bytes: eight K steps per column's dword,
+    nibbles in NIBBLE_ORDER (kernels/gemm.c's int4 layout)."""
+    n, k = codes.shape
+    steps = codes.view(n // 16, 16, k // 8, 8)[..., NIBBLE_ORDER]
+    return (steps[..., 0::2] | (steps[..., 1::2] << 4)).transpose(1, 2).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_nibbles` undone, for blocks of any number of columns C: [B, K/8, C, 4] -> [B * C, K] codes."""
+    blocks, steps, columns = packed.shape[:3]
+    bytes_ = packed.transpose(1, 2)
+    ordered = torch.stack([bytes_ & 15, bytes_ >> 4], dim=-1).flatten(-2)
+    return ordered[..., [NIBBLE_ORDER.index(i) for i in range(8)]].reshape(blocks * columns, steps * 8)
+
+
 def pack_quads(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] int8 -> [N/16, K/4, 16, 4]: quads of K steps of 16 output columns, each in the order
     k0 k2 k1 k3 (kernels/gemm.c)."""
@@ -249,12 +270,19 @@ def pack_quads(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(n // 16, 16, k // 4, 4)[..., [0, 2, 1, 3]].transpose(1, 2).contiguous()
 
 
+def unpack_quads(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_quads` undone (its order is its own inverse), for blocks of C columns: [B, K/4, C, 4] -> [B * C, K]."""
+    blocks, steps, columns = packed.shape[:3]
+    return packed.transpose(1, 2)[..., [0, 2, 1, 3]].reshape(blocks * columns, steps * 4)
+
+
 def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
                   low: torch.Tensor | None = None, kernel: str = "avx512", silu: bool = False) -> torch.Tensor:
     """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512", "amx"
     or, for int8, "amx_widened": see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8
     codes with a float32 `scale` per output column (`pack_quads`), or 4-bit codes with `scale`
-    and `low` per group and column (`NativeInt4._pack`). With `silu` (AMX only) the weight is a fused [gate; up]
+    and `low` per group and column (`NativeInt4._pack`); float16 scales are GGUF's repacked blocks:
+    4-bit codes with `low` (Q4_1) or without (Q4_0), int8 codes with a scale per group (Q8_0). With `silu` (AMX only) the weight is a fused [gate; up]
     projection and the result silu(gate) * up, [M, N/2]."""
     x = x.contiguous()
     blocks, k = packed.shape[0], x.shape[1]
@@ -264,6 +292,11 @@ def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | N
     suffix = ("" if kernel == "avx512" else "_" + kernel) + ("_silu" if silu else "")
     if packed.dtype == torch.bfloat16:
         status = getattr(lib, "gemm_bf16" + suffix)(x.data_ptr(), packed.data_ptr(), *args)
+    elif scale.dtype == torch.float16 and packed.dtype == torch.int8:  # GGUF's Q8_0 repacked (gguf_linear.py)
+        status = getattr(lib, "gemm_q8" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
+    elif scale.dtype == torch.float16:  # GGUF's Q4_1, or Q4_0 (no low), repacked
+        status = getattr(lib, "gemm_q4" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
+                                                  None if low is None else low.data_ptr(), *args)
     elif low is None:
         status = getattr(lib, "gemm_int8" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
     else:

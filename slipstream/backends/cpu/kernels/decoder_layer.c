@@ -18,15 +18,15 @@
 #include "rotary.c"
 #include "turboquant.h"
 
-enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 };
+enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4, WEIGHT_Q4 };
 
 // A linear layer's weight [n, k] as gemm.c takes it (packed by backends/cpu/linear.py):
 // int8 with a float32 scale per column, int4 with a scale and a
-// minimum per group and column.
+// minimum per group and column, q4 (GGUF's Q4_0 / Q4_1 repacked) the same in float16 (`gemm_q4`).
 typedef struct {
     int32_t kind;
     const void *weight;
-    const float *scale, *low;
+    const void *scale, *low;  // float32, or float16 for q4
     int64_t n;
 } Weight;
 
@@ -59,11 +59,12 @@ typedef struct {
     const int64_t *slots, *block_tables, *context_lens;  // block_tables [tokens, max_blocks]
     const float *cos, *sin;                               // [tokens, head_dim / 2]: each token's rotation
     int32_t max_blocks, threads;
-    int32_t amx[3];  // per weight kind: whether its projections take the AMX kernels at this many tokens
+    int32_t amx[4];  // per weight kind: whether its projections take the AMX kernels at this many tokens
 } Step;
 
 // Read by backends/cpu/abi.py: the weight kinds, and the sizes its mirrors of the structs are checked against.
-const int32_t weight_kind_bf16 = WEIGHT_BF16, weight_kind_int8 = WEIGHT_INT8, weight_kind_int4 = WEIGHT_INT4;
+const int32_t weight_kind_bf16 = WEIGHT_BF16, weight_kind_int8 = WEIGHT_INT8, weight_kind_int4 = WEIGHT_INT4,
+              weight_kind_q4 = WEIGHT_Q4;
 const int32_t sizeof_Weight = sizeof(Weight), sizeof_Layer = sizeof(Layer), sizeof_Step = sizeof(Step),
               sizeof_TurboQuantLayer = sizeof(TurboQuantLayer);
 
@@ -80,6 +81,8 @@ static int project(const Weight *w, const Step *s, const uint16_t *x, uint16_t *
             return (amx ? gemm_int8_amx : gemm_int8)(x, w->weight, w->scale, y, m, w->n, k, threads);
         case WEIGHT_INT4:
             return (amx ? gemm_int4_amx : gemm_int4)(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
+        case WEIGHT_Q4:
+            return (amx ? gemm_q4_amx : gemm_q4)(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
     }
     return -1;
 }
@@ -169,6 +172,7 @@ static int gated_projection(const Layer *l, const Step *s, const uint16_t *x, ui
             case WEIGHT_BF16: return gemm_bf16_amx_silu(x, w->weight, act, m, w->n, k, s->threads);
             case WEIGHT_INT8: return gemm_int8_amx_silu(x, w->weight, w->scale, act, m, w->n, k, s->threads);
             case WEIGHT_INT4: return gemm_int4_amx_silu(x, w->weight, w->scale, w->low, act, m, w->n, k, s->threads);
+            case WEIGHT_Q4: return gemm_q4_amx_silu(x, w->weight, w->scale, w->low, act, m, w->n, k, s->threads);
         }
     if (project(w, s, x, gate_up, k)) return -1;
     return silu_and_mul_bf16(gate_up, act, m, l->intermediate, s->threads);

@@ -160,7 +160,11 @@ int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, in
 // sign-extended pair (k0, k1), shifting it right gives (k2, k3); the same bytes are AMX's
 // int8 B tiles (the tile kernel permutes x's bytes alike). The int32 sums move to float32
 // every INT8_FLUSH pair steps, before they could overflow (128 * 2 * 32767 * 127 < 2^31).
+// `gemm_q8` is the same with a float16 scale per group of 32 K steps and column instead, [N/16][K/32][16]
+// (GGUF's Q8_0 repacked from a file's blocks): the sums move to float32 times their group's scale
+// every group.
 #define INT8_FLUSH 128
+#define Q8_GROUP 32
 
 #if defined(__AVX512VNNI__)
 static inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) { return _mm512_dpwssd_epi32(acc, a, b); }
@@ -190,14 +194,17 @@ static int16_t *fixed_point_rows(const uint16_t *x, int64_t m, int64_t k, float 
     return xq;
 }
 
+// scale: per column (float32), or with group_scale per group and column (float16; scale NULL)
 static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, const float *row_scale, int64_t k,
-                                                            const int8_t *w, const float *scale, uint16_t *y,
-                                                            int64_t n, int mr, int nr) {
+                                                            const int8_t *w, const float *scale,
+                                                            const uint16_t *group_scale, uint16_t *y, int64_t n,
+                                                            int mr, int nr) {
     __m512 total[MR][NR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) total[i][j] = _mm512_setzero_ps();
-    for (int64_t first = 0; first < k / 2; first += INT8_FLUSH) {
-        int64_t last = first + INT8_FLUSH < k / 2 ? first + INT8_FLUSH : k / 2;
+    int64_t flush = group_scale ? Q8_GROUP / 2 : INT8_FLUSH, groups = k / Q8_GROUP;
+    for (int64_t first = 0; first < k / 2; first += flush) {
+        int64_t last = first + flush < k / 2 ? first + flush : k / 2;
         __m512i acc[MR][NR];
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_si512();
@@ -215,11 +222,16 @@ static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, c
                     for (int j = 0; j < nr; j++) acc[i][j] = dot_int16(acc[i][j], a, b[j]);
                 }
             }
-        for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr && group_scale; j++) {
+            const uint16_t *g = group_scale + (j * groups + first / (Q8_GROUP / 2)) * 16;
+            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+            for (int i = 0; i < mr; i++) total[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), s, total[i][j]);
+        }
+        for (int i = 0; i < mr && !group_scale; i++)
             for (int j = 0; j < nr; j++) total[i][j] = _mm512_add_ps(total[i][j], _mm512_cvtepi32_ps(acc[i][j]));
     }
     for (int j = 0; j < nr; j++) {
-        __m512 s = _mm512_loadu_ps(scale + 16 * j);
+        __m512 s = group_scale ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(scale + 16 * j);
         for (int i = 0; i < mr; i++)
             store_bf16(y + i * n + 16 * j, _mm512_mul_ps(total[i][j], opaque(_mm512_mul_ps(s, _mm512_set1_ps(row_scale[i])))));
     }
@@ -227,30 +239,32 @@ static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, c
 
 static inline __attribute__((always_inline)) void column_tile_int8(const int16_t *xq, const float *row_scale,
                                                                    int64_t m, int64_t k, const int8_t *w,
-                                                                   const float *scale, uint16_t *y, int64_t n, int nr) {
+                                                                   const float *scale, const uint16_t *group_scale,
+                                                                   uint16_t *y, int64_t n, int nr) {
     int64_t i = 0;
+#define TILE_INT8(rows, cols) tile_int8(xq + i * k, row_scale + i, k, w, scale, group_scale, y + i * n, n, rows, cols)
     if (nr != NR) {  // a thread's last, narrower tile: row by row, its width a constant
         for (; i < m; i++) switch (nr) {
-            case 3: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 1, 3); break;
-            case 2: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 1, 2); break;
-            default: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 1, 1);
+            case 3: TILE_INT8(1, 3); break;
+            case 2: TILE_INT8(1, 2); break;
+            default: TILE_INT8(1, 1);
         }
         return;
     }
-    for (; i + MR <= m; i += MR) tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, MR, NR);
+    for (; i + MR <= m; i += MR) TILE_INT8(MR, NR);
     switch (m - i) {
-        case 5: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 5, NR); break;
-        case 4: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 4, NR); break;
-        case 3: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 3, NR); break;
-        case 2: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 2, NR); break;
-        case 1: tile_int8(xq + i * k, row_scale + i, k, w, scale, y + i * n, n, 1, NR); break;
+        case 5: TILE_INT8(5, NR); break;
+        case 4: TILE_INT8(4, NR); break;
+        case 3: TILE_INT8(3, NR); break;
+        case 2: TILE_INT8(2, NR); break;
+        case 1: TILE_INT8(1, NR); break;
     }
+#undef TILE_INT8
 }
 
-// Returns 0, or -1 when N % 16 or K % 4 is not zero or memory runs out.
-int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
-              int64_t k, int threads) {
-    float *row_scale = n % 16 || k % 4 ? NULL : malloc(sizeof(float) * m);
+static int int8_gemm(const uint16_t *x, const int8_t *w_packed, const float *scale, const uint16_t *group_scale,
+                     uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    float *row_scale = n % 16 || k % (group_scale ? Q8_GROUP : 4) ? NULL : malloc(sizeof(float) * m);
     int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
     if (!xq) {
         free(row_scale);
@@ -261,12 +275,25 @@ int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uin
         int64_t begin, end;
         thread_blocks(n / 16, &begin, &end);
         for (int64_t b = begin; b < end; b += NR)
-            column_tile_int8(xq, row_scale, m, k, w_packed + b * 16 * k, scale + b * 16, y + b * 16, n,
+            column_tile_int8(xq, row_scale, m, k, w_packed + b * 16 * k, scale ? scale + b * 16 : NULL,
+                             group_scale ? group_scale + b * 16 * (k / Q8_GROUP) : NULL, y + b * 16, n,
                              end - b < NR ? (int)(end - b) : NR);
     }
     free(xq);
     free(row_scale);
     return 0;
+}
+
+// Returns 0, or -1 when N % 16 or K % 4 is not zero or memory runs out.
+int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
+              int64_t k, int threads) {
+    return int8_gemm(x, w_packed, scale, NULL, y, m, n, k, threads);
+}
+
+// gemm_int8 with float16 scales per group of 32 and column; -1 when N % 16 or K % 32 is not zero
+int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, uint16_t *y, int64_t m, int64_t n,
+            int64_t k, int threads) {
+    return int8_gemm(x, w_packed, NULL, scale, y, m, n, k, threads);
 }
 
 // --- int4: w = q * scale + low per group of GROUP input channels ---------------------------
@@ -275,14 +302,33 @@ int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uin
 // nibbles in the order k0 k2 k4 k6 k1 k3 k5 k7, so that (dword >> 4t) & 0x000F000F is the pair
 // of 16-bit codes for steps 2t and 2t+1, ready for `vpdpwssd`: three ops per 32 multiply-adds,
 // where widening nibbles to float32 took seven. Per group, the int32 sums of xq * q join the
-// total as sum * scale + (sum of the group's xq) * low. scale, low: [N/16][K/GROUP][16] float32.
+// total as sum * scale + (sum of the group's xq) * low. scale, low: [N/16][K/GROUP][16] float32,
+// or float16 (`gemm_q4`): GGUF's Q4_1 and Q4_0 repacked from a file's blocks keep their scales as
+// the file stores them, the same bytes per weight; Q4_0 has no low (NULL), which is -8 * scale.
 #define GROUP 32
 #define MR4 4
 #define NR4 2  // 16-column blocks per tile of MR4 rows; fewer rows take twice as many (more independent sums)
 
+typedef struct {
+    const void *scale, *low;
+    int half;
+} GroupScales;
+
+static inline __m512 scales16(const void *p, int half, int64_t at) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)))
+                : _mm512_loadu_ps((const float *)p + at);
+}
+
+// scale and low of the 16 columns whose first entry is `at`
+static inline void scale_and_low(const GroupScales *gs, int64_t at, __m512 *s, __m512 *m) {
+    *s = scales16(gs->scale, gs->half, at);
+    *m = gs->low ? scales16(gs->low, gs->half, at) : _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
+}
+
+// scales: the first of this tile's 16-column block in gs
 static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, const float *row_scale,
                                                             const float *xsum, int64_t k, const uint8_t *w,
-                                                            const float *scale, const float *low, uint16_t *y,
+                                                            const GroupScales *gs, int64_t scales, uint16_t *y,
                                                             int64_t n, int mr, int nr) {
     int64_t groups = k / GROUP;
     __m512 acc[MR4][2 * NR4];
@@ -308,7 +354,8 @@ static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, c
             }
         }
         for (int j = 0; j < nr; j++) {
-            __m512 s = _mm512_loadu_ps(scale + (j * groups + g) * 16), m = _mm512_loadu_ps(low + (j * groups + g) * 16);
+            __m512 s, m;
+            scale_and_low(gs, scales + (j * groups + g) * 16, &s, &m);
             for (int i = 0; i < mr; i++)
                 acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i * groups + g]), m,
                                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[i][j]), s, acc[i][j]));
@@ -320,28 +367,27 @@ static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, c
 
 static inline __attribute__((always_inline)) void column_tile_int4(const int16_t *xq, const float *row_scale,
                                                                    const float *xsum, int64_t m, int64_t k,
-                                                                   const uint8_t *w, const float *scale,
-                                                                   const float *low, uint16_t *y, int64_t n, int nr) {
+                                                                   const uint8_t *w, const GroupScales *gs,
+                                                                   int64_t scales, uint16_t *y, int64_t n, int nr) {
     int64_t i = 0, groups = k / GROUP;
     if (nr == NR4)
         for (; i + MR4 <= m; i += MR4)
-            tile_int4(xq + i * k, row_scale + i, xsum + i * groups, k, w, scale, low, y + i * n, n, MR4, NR4);
+            tile_int4(xq + i * k, row_scale + i, xsum + i * groups, k, w, gs, scales, y + i * n, n, MR4, NR4);
     for (; i < m; i++) {  // constant widths keep the sums in registers
         const int16_t *xr = xq + i * k;
         if (nr == 2 * NR4)
-            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, scale, low, y + i * n, n, 1, 2 * NR4);
+            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, gs, scales, y + i * n, n, 1, 2 * NR4);
         else if (nr == 3)
-            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, scale, low, y + i * n, n, 1, 3);
+            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, gs, scales, y + i * n, n, 1, 3);
         else if (nr == NR4)
-            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, scale, low, y + i * n, n, 1, NR4);
+            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, gs, scales, y + i * n, n, 1, NR4);
         else
-            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, scale, low, y + i * n, n, 1, 1);
+            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, gs, scales, y + i * n, n, 1, 1);
     }
 }
 
-// Returns 0, or -1 when N % 16 or K % GROUP is not zero or memory runs out.
-int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-              int64_t m, int64_t n, int64_t k, int threads) {
+static int int4_gemm(const uint16_t *x, const uint8_t *w_packed, const GroupScales *gs, uint16_t *y, int64_t m,
+                     int64_t n, int64_t k, int threads) {
     float *row_scale = n % 16 || k % GROUP ? NULL : malloc(sizeof(float) * m * (1 + k / GROUP));
     int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
     if (!xq) {
@@ -360,12 +406,26 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
         int64_t begin, end;
         thread_blocks(n / 16, &begin, &end);
         for (int64_t b = begin; b < end; b += width)
-            column_tile_int4(xq, row_scale, xsum, m, k, w_packed + b * 8 * k, scale + b * 16 * (k / GROUP),
-                             low + b * 16 * (k / GROUP), y + b * 16, n, end - b < width ? (int)(end - b) : width);
+            column_tile_int4(xq, row_scale, xsum, m, k, w_packed + b * 8 * k, gs, b * 16 * (k / GROUP), y + b * 16, n,
+                             end - b < width ? (int)(end - b) : width);
     }
     free(xq);
     free(row_scale);
     return 0;
+}
+
+// Returns 0, or -1 when N % 16 or K % GROUP is not zero or memory runs out.
+int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+              int64_t m, int64_t n, int64_t k, int threads) {
+    GroupScales gs = {scale, low, 0};
+    return int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
+}
+
+// gemm_int4 with float16 scale and low (NULL: -8 * scale)
+int gemm_q4(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low, uint16_t *y,
+            int64_t m, int64_t n, int64_t k, int threads) {
+    GroupScales gs = {scale, low, 1};
+    return int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
 }
 // --- AMX tiles ------------------------------------------------------------------------------
 // The same products on AMX's tile unit, for the row counts where it wins (backends/cpu/linear.py):
@@ -603,7 +663,7 @@ static int gemm_int8_split(const uint16_t *x, const int8_t *w_packed, const floa
 // Codes of one 16-column block widened to bf16 pairs [k/2][16][2] for the bf16 tiles.
 typedef struct {
     const void *w;
-    const float *scale, *low;  // int4: per group and column; int8: NULL (exact codes)
+    GroupScales scales;  // int4: per group and column; int8: a NULL scale (exact codes)
 } Codes;
 
 // int8: quads [k/4][16][4] (k0 k2 k1 k3) -> the exact codes as bf16 pairs.
@@ -622,12 +682,13 @@ static void widen_int8_block(const int8_t *w, int64_t k, uint16_t *out) {
 }
 
 // int4: codes [k/8][16][4 bytes], scale and low [k/32][16] -> bf16 pairs of q * scale + low.
-static void widen_int4_block(const uint8_t *w, const float *scale, const float *low, int64_t k, uint16_t *out) {
+static void widen_int4_block(const uint8_t *w, const GroupScales *gs, int64_t scales, int64_t k, uint16_t *out) {
     static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i order = _mm512_loadu_si512(interleave), nibbles = _mm512_set1_epi32(0x000F000F);
     for (int64_t g = 0; g < k / GROUP; g++) {
-        __m512 s = _mm512_loadu_ps(scale + g * 16), m = _mm512_loadu_ps(low + g * 16);
+        __m512 s, m;
+        scale_and_low(gs, scales + g * 16, &s, &m);
         for (int c = 0; c < GROUP / 8; c++) {
             __m512i codes = _mm512_loadu_si512(w + (g * GROUP / 8 + c) * 64);
             for (int t = 0; t < 4; t++) {  // K steps 2t and 2t + 1 of the dword, as for `tile_int4`
@@ -642,9 +703,8 @@ static void widen_int4_block(const uint8_t *w, const float *scale, const float *
 }
 
 static void widen_block(const Codes *c, int64_t b, int64_t k, uint16_t *out) {
-    if (c->low)
-        widen_int4_block((const uint8_t *)c->w + b * 8 * k, c->scale + b * 16 * (k / GROUP), c->low + b * 16 * (k / GROUP),
-                         k, out);
+    if (c->scales.scale)
+        widen_int4_block((const uint8_t *)c->w + b * 8 * k, &c->scales, b * 16 * (k / GROUP), k, out);
     else
         widen_int8_block((const int8_t *)c->w + b * 16 * k, k, out);
 }
@@ -684,10 +744,10 @@ static int gemm_widened(const uint16_t *x, const Codes *codes, const float *colu
     return failed ? -1 : 0;
 }
 
-static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low,
-                           uint16_t *y, int64_t m, int64_t n, int64_t k, int threads, int silu) {
+static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, GroupScales scales, uint16_t *y, int64_t m,
+                           int64_t n, int64_t k, int threads, int silu) {
     if (n % (silu ? 32 : 16) || k % GROUP || !amx_ready()) return -1;
-    Codes codes = {w_packed, scale, low};
+    Codes codes = {w_packed, scales};
     return gemm_widened(x, &codes, NULL, y, m, n, k, threads, silu);
 }
 
@@ -697,7 +757,7 @@ static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, const flo
 static int gemm_int8_widened(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
                              int64_t n, int64_t k, int threads, int silu) {
     if (n % (silu ? 32 : 16) || k % 64 || !amx_ready()) return -1;
-    Codes codes = {w_packed, NULL, NULL};
+    Codes codes = {w_packed, {NULL, NULL, 0}};
     return gemm_widened(x, &codes, scale, y, m, n, k, threads, silu);
 }
 
@@ -733,14 +793,25 @@ int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *s
 // Returns 0, or -1 when N % 16 or K % 32 is not zero, AMX is unavailable or memory runs out.
 int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
                   int64_t m, int64_t n, int64_t k, int threads) {
-    return gemm_int4_tiles(x, w_packed, scale, low, y, m, n, k, threads, 0);
+    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 0}, y, m, n, k, threads, 0);
 }
 
 // y [M][N/2] = silu(gate) * up; -1 when N % 32 or K % 32 is not zero, AMX is unavailable or
 // memory runs out.
 int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
                        int64_t m, int64_t n, int64_t k, int threads) {
-    return gemm_int4_tiles(x, w_packed, scale, low, y, m, n, k, threads, 1);
+    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 0}, y, m, n, k, threads, 1);
+}
+
+// gemm_int4_amx and gemm_int4_amx_silu with float16 scale and low (NULL: -8 * scale), as gemm_q4
+int gemm_q4_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low, uint16_t *y,
+                int64_t m, int64_t n, int64_t k, int threads) {
+    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 1}, y, m, n, k, threads, 0);
+}
+
+int gemm_q4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
+                     uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 1}, y, m, n, k, threads, 1);
 }
 #endif
 #else
@@ -764,6 +835,16 @@ int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uin
 
 int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
               int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_q4(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low, uint16_t *y,
+            int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, uint16_t *y, int64_t m, int64_t n,
+            int64_t k, int threads) {
     return -1;
 }
 #endif
@@ -809,6 +890,16 @@ int gemm_int8_amx_widened_silu(const uint16_t *x, const int8_t *w_packed, const 
 
 int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
                        int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_q4_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low, uint16_t *y,
+                int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_q4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
+                     uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
 #endif

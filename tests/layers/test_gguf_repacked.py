@@ -1,0 +1,113 @@
+"""GGUF's Q4_0, Q4_1 and Q8_0 repacked at load for gemm.c's kernels (backends/cpu/gguf_linear.py).
+
+The repacking is exact: the file's bytes come back, memory holds as many bytes as the file, and
+rows dequantize to the torch twin's values (a tied embedding reads them so). The kernels are
+gemm.c's int4 and int8 loops and int4 AMX tiles with float16 scales, held to dequantize-then-multiply
+over every tile remainder within 2^-8 of |x| . |W| per output: one bf16 rounding of the output, and on
+AMX of each weight (2^-9 each), and 16-bit fixed-point activations (under 2^-15 of a row's largest).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slipstream.backends.cpu import gguf_linear
+from slipstream.backends.cpu.gguf_linear import NativeQ4, NativeQ8, file_blocks
+from slipstream.backends.cpu.linear import GemmPolicy
+from slipstream.layers.gguf_formats import block_format, dequantize_rows
+from slipstream.layers.gguf_linear import GGUFWeight
+from slipstream.layers.linear import Linear, silu_and_mul
+from tests.kernels.test_gemm import Forced, kernel  # noqa: F401  (a fixture)
+from tests.layers.test_gguf_formats import attach_to, random_blocks
+
+REPACKED = ["Q4_0", "Q4_1", "Q8_0"]
+TOL = 2**-8  # of |x| . |W|
+
+
+def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    x, w = x.double(), w.double()
+    assert ((out.double() - x @ w.T).abs() <= TOL * (x.abs() @ w.abs().T)).all()
+
+
+def repacked(fmt: str, n: int, k: int, policy: GemmPolicy, seed: int = 0) -> tuple[Linear, torch.Tensor]:
+    """A bf16 model's layer of random `fmt` blocks [n, k] bound to its native method, and the blocks."""
+    blocks = random_blocks(fmt, n, k, seed=seed)
+    layer = Linear(k, n, bias=False)
+    attach_to(layer, GGUFWeight.from_blocks(fmt, blocks.clone(), k))
+    layer.dtype = torch.bfloat16
+    layer.bind((NativeQ8 if fmt == "Q8_0" else NativeQ4)(policy, upcast=False))
+    return layer, blocks
+
+
+@pytest.mark.parametrize("fmt", REPACKED)
+def test_repacking_is_exact_and_costs_no_bytes(fmt):
+    layer, blocks = repacked(fmt, 48, 128, GemmPolicy(amx=False, invariant=False))
+    assert layer.weight is None and not hasattr(layer, "blocks0")
+    assert torch.equal(file_blocks(layer), blocks)
+    assert sum(b.nbytes for b in layer.buffers()) == blocks.nbytes
+    ids = torch.tensor([47, 0, 17, 17, 16])
+    assert torch.equal(layer.method.rows(layer, ids), dequantize_rows(block_format(fmt), blocks)[ids])
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 9, 16, 17, 40, 130])  # int8: 6-row tiles; int4: 4; AMX: 16 and 32
+@pytest.mark.parametrize("out_features", [48, 176])  # 3 and 11 blocks of 16 columns: narrow last tiles
+@pytest.mark.parametrize("fmt", REPACKED)
+def test_repacked_gemm_equals_dequantize_then_multiply(kernel, fmt, rows, out_features):  # noqa: F811
+    layer, blocks = repacked(fmt, out_features, 128, kernel, seed=rows)
+    x = torch.randn(rows, 128).bfloat16()
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    check(out, x, dequantize_rows(block_format(fmt), blocks))
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+def test_repacked_fused_silu_and_mul_equals_the_float32_activation(kernel, fmt, rows):  # noqa: F811
+    """On AMX in the int4 tiles' epilogue, else the projection and gemm.c's silu_and_mul_bf16: gate, up, silu
+    and the product each rounded to bf16 (within 2e-2 as in test_gemm.py, on activations of its size)."""
+    layer, blocks = repacked(fmt, 2 * 96, 128, kernel, seed=rows)
+    x = (0.1 * torch.randn(rows, 128)).bfloat16()
+    gate, up = F.linear(x.float(), dequantize_rows(block_format(fmt), blocks)).chunk(2, -1)
+    with torch.inference_mode():
+        out = silu_and_mul(layer, x)
+    torch.testing.assert_close(out.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", REPACKED)
+def test_every_thread_count_computes_the_same_columns(gemm_isa, fmt):
+    layer, _ = repacked(fmt, 176, 128, GemmPolicy(amx=False, invariant=True))
+    x = torch.randn(3, 128).bfloat16()
+    threads, outputs = torch.get_num_threads(), []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append(layer(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+@pytest.mark.parametrize("fmt", REPACKED)
+def test_rows_without_a_kernel_multiply_dequantized_tiles(gemm_isa, fmt, monkeypatch):
+    """Prefill without AMX: no kernel from UPCAST_MIN_ROWS rows; tiles of 32 columns, the last one short."""
+    monkeypatch.setattr(gguf_linear, "DEQUANTIZE_TILE", 32 * 128)
+    layer, blocks = repacked(fmt, 176, 128, GemmPolicy(amx=False, invariant=False))
+    x = torch.randn(200, 128).bfloat16()
+    assert layer.method._kernel(layer, x) is None
+    check(layer(x), x, dequantize_rows(block_format(fmt), blocks))
+
+
+def test_cpu_backend_repacks_single_format_layers_of_bf16_models(gemm_isa):
+    from slipstream.backends.cpu.backend import CpuBackend
+    from slipstream.backends.cpu.capability import CpuCapability
+
+    backend = CpuBackend(CpuCapability.detect())
+    for fmt, method in [("Q4_0", NativeQ4), ("Q4_1", NativeQ4), ("Q8_0", NativeQ8), ("Q5_0", gguf_linear.NativeGGUF)]:
+        layer = Linear(64, 32, bias=False)
+        attach_to(layer, GGUFWeight.from_blocks(fmt, random_blocks(fmt, 32, 64), 64))
+        layer.dtype = torch.bfloat16
+        assert type(backend.linear_method(layer, "gguf")) is method, fmt
+        layer.dtype = torch.float32  # the int4/int8 kernels take bf16 activations: float32 keeps gguf_gemm.c
+        assert type(backend.linear_method(layer, "gguf")) is gguf_linear.NativeGGUF, fmt
