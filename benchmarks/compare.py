@@ -11,8 +11,9 @@ transformers runs a hand-written greedy loop over its own KV cache (bf16 like us
 llama.cpp (`pip install -e '.[peers]'`, see the README) runs the same GGUF file in its
 own weight format (Q4_1 for SmolLM2), through its low-level batch API, one sequence id
 per stream; offline throughput runs its requests one after another, as llama-cpp-python
-serves them. Each --quantization adds a slipstream column with that weight format (`gguf`: the
-file's blocks as stored; the plain slipstream column asks for bf16 and so widens them);
+serves them. Each --quantization adds a slipstream column with that weight format (`gguf`, on by
+default: the file's blocks as stored, the engine's default for a quantized GGUF; the plain slipstream
+column asks for bf16 and so widens them);
 --deterministic adds, for each, a column with batch invariance set the other way from the
 backend's default (`det`: deterministic=True, `nondet`: False) and prints its cost as ratios.
 
@@ -196,7 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quantization", nargs="*", default=[], choices=["int8", "int4", "w8a8", "gguf"],
+    parser.add_argument("--quantization", nargs="*", default=["gguf"], choices=["int8", "int4", "w8a8", "gguf"],
                         help="also measure slipstream with these weight formats")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

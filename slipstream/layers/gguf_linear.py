@@ -6,11 +6,14 @@ formats (Gemma 3's q/k in Q5_0, v in Q8_0) keeps one segment per run of rows of 
 Concatenating or permuting whole rows is exact on blocks, which run along K within a row:
 that is how q/k/v fuse and how llama.cpp's rope permutation of Q/K rows is undone.
 
-`attach` puts such a weight on the layers that share a parameter (a tied LM head and its
-embedding share the blocks, not copies). `GGUFLinear` is the reference method: dequantize each
-segment to float32, multiply, concatenate; backends subclass it with native GEMMs per segment
-(`segment_mm`). `GGUFEmbedding` looks rows up and dequantizes only those. This module never
-knows files (loader/gguf.py reads them) nor kernels.
+`attach` puts such a weight on the layers that share a parameter: a tied LM head holds the
+blocks, and its embedding reads rows through the head's method (`rows`), so that a backend may
+lay the head's blocks out as its kernels read them. `GGUFLinear` is the reference method:
+dequantize each segment to float32, multiply, concatenate; backends subclass it with native
+GEMMs per segment (`segment_mm`) or repack whole layers. `GGUFEmbedding` looks rows up and
+dequantizes only those. Under tensor parallelism a weight narrows to a rank's rows, or to its
+columns in whole blocks (`narrow`). This module never knows files (loader/gguf.py reads them)
+nor kernels.
 """
 from __future__ import annotations
 

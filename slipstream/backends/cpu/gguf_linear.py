@@ -1,15 +1,17 @@
-"""The CPU backend's methods for GGUF weights as stored: gemm.c's int4 kernels on Q4_0 / Q4_1
+"""The CPU backend's methods for GGUF weights as stored: gemm.c's kernels on Q4_0, Q4_1 and Q8_0
 repacked, kernels/gguf_gemm.c on every other format's blocks as the file has them.
 
-Q4_0 and Q4_1 (`NativeQ4`) are gemm.c's int4 weights with float16 scales: the same codes, scales and
-minimums, moved once at load into its layout (16 columns side by side, so that one vector op
-applies a group's scale to 16 columns), the same bytes per weight, nothing widened; `q4_blocks`
-moves them back to the file's bytes. They take the int4 kernels (AVX-512 loops, AMX tiles, the
-fused decode stack) wherever the GemmPolicy gives int4 one; 3.8x gguf_gemm.c's per-row kernel on
-SmolLM2's gate_up at one row (31 vs 117 us, one core of the AMX machine). A tied head keeps the
-file's layout, which its embedding reads.
+Q4_0 / Q4_1 (`NativeQ4`) become gemm.c's int4 weights and Q8_0 (`NativeQ8`) its int8 quads, with
+the file's float16 scales (and Q4_1's minimums) per group of 32 and column: the same values and the
+same bytes per weight, moved once at load into the kernels' layout (16 columns side by side, so
+that one vector op applies a group's scale to 16 columns); `file_blocks` moves them back. Q4 takes
+the int4 kernels (AVX-512 loops, AMX tiles, the fused decode stack) wherever the GemmPolicy gives
+int4 one: 3.8x gguf_gemm.c's per-row kernel on SmolLM2's gate_up at one row (31 vs 117 us, one core
+of the AMX machine); Q8_0 the int8 loops below UPCAST_MIN_ROWS (SmolLM2's LM head: 0.73 vs 1.55 ms
+per decode step, 2 threads). A tied embedding reads its rows through `Repacked.rows`.
 
-For the other formats (`NativeGGUF`), below DEQUANTIZE_MIN_ROWS rows (decode, small batches) every segment of a layer's blocks is
+For the other formats (`NativeGGUF`; and every format for float32 activations), below
+DEQUANTIZE_MIN_ROWS rows (decode, small batches) every segment of a layer's blocks is
 multiplied in place by the native GEMM (codes widened to float32 in registers, the format's
 scales per group: see the kernel's header), writing its columns of the output directly. From
 there on (prefill) the GEMM is compute bound and the dense GEMMs win, so the kernel dequantizes
@@ -155,7 +157,10 @@ class Repacked(LinearMethod):
         codes, heads = _selected(layer, ids)
         n, k = codes.shape
         d = heads[0].float().unsqueeze(-1)
-        low = heads[1].float().unsqueeze(-1) if len(heads) == 2 else -8 * d if codes.dtype == torch.uint8 else 0
+        if len(heads) == 2:  # Q4_1
+            low = heads[1].float().unsqueeze(-1)
+        else:  # Q4_0's codes sit at 8, Q8_0's are signed
+            low = -8 * d if codes.dtype == torch.uint8 else 0
         return (d * codes.view(n, k // 32, 32).float() + low).reshape(n, k)
 
 
@@ -183,8 +188,6 @@ class NativeQ8(NativeCodes, Repacked):
     """Repacked Q8_0 on gemm.c's int8 loops with a float16 scale per group (`gemm_q8`): below
     UPCAST_MIN_ROWS rows, or at every row count where batch invariance asks it (it has no AMX
     form; the per-layer path only, not the decode stack)."""
-
-    layout = "q8"
 
     def __init__(self, policy: GemmPolicy, upcast: bool):
         super().__init__(upcast)
