@@ -149,3 +149,13 @@ def test_perplexity_as_stored_is_the_widened_path_s(model):
         del llm
     print(model, perplexity)
     assert abs(perplexity["stored"] / perplexity["widened"] - 1) <= PERPLEXITY_TOLERANCE, perplexity
+
+
+def test_deterministic_covers_repacked_blocks_and_names_the_others():
+    """Q4_1/Q8_0 (SmolLM2) run on gemm.c's invariant kernels; Gemma 3's Q5_0/Q4_K/Q6_K do not, and are named."""
+    smollm2 = LLM("smollm2-135m", deterministic=True, kv_cache_memory=2**20).engine
+    if smollm2.quantization != "gguf" or not smollm2.backend.batch_invariant:
+        pytest.skip("no native blocks or invariant kernels here: the file loads widened")
+    with pytest.raises(ValueError, match=r"GGUF layers model\.layers\.0\.self_attn\.qkv_proj, .*dtype='bfloat16' widens"):
+        LLM("gemma3-270m", deterministic=True, kv_cache_memory=2**20)
+    assert LLM("gemma3-270m", deterministic=True, dtype="bfloat16", kv_cache_memory=2**20).engine.quantization is None

@@ -84,10 +84,13 @@ class CpuBackend(ReferenceBackend):
 
     def invariance_gaps(self, model: nn.Module) -> list[str]:
         native = [*self.native.values(), *self.repacked.values()]  # the methods bound to layers gemm.c tiles
-        linear = [n for n, m in model.named_modules() if isinstance(m, Linear) and m.method not in native]
+        gaps = [m for m in model.named_modules() if isinstance(m[1], Linear) and m[1].method not in native]
+        linear = [n for n, m in gaps if not isinstance(m.method, NativeGGUF)]
+        blocks = [n for n, m in gaps if isinstance(m.method, NativeGGUF)]
         experts = [n for n, m in model.named_modules() if isinstance(m, Experts) and not self.experts.serves(m)]
         return [f"{what} {_first(names)} ({why})" for what, names, why in (
             ("linear layers", linear, "shapes gemm.c cannot tile"),
+            ("GGUF layers", blocks, "formats other than Q4_0/Q4_1/Q8_0; dtype='bfloat16' widens them"),
             ("MoE experts", experts, "moe_expert.c takes SiLU experts of the shapes it tiles")) if names]
 
     def describe(self) -> list[str]:
