@@ -49,21 +49,11 @@ def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: st
         raise ValueError(f"quantization={quantization!r} runs on PyTorch's CPU kernels; "
                          f"device={device.type!r} is not supported (use device='cpu' or no quantization)")
     path = resolve_model_path(name)
-    if path.endswith(".gguf"):
-        gguf = GGUFFile(path)
-        if quantization is None and not widen and backend.runs_gguf_blocks and gguf.is_quantized():
-            quantization = "gguf"
-        if quantization == "gguf" and not gguf.is_quantized():
-            raise ValueError(f"quantization='gguf' runs a GGUF file's blocks; {path!r} holds no block format")
-        cfg, weights = gguf.hf_config(), gguf.hf_weights(as_stored=quantization == "gguf")
-    elif quantization == "gguf":
-        raise ValueError(f"quantization='gguf' runs a GGUF file's blocks; {path!r} is not a .gguf file")
-    else:
-        cfg, weights = read_hf_config(path), safetensors.hf_weights(path)
+    cfg, weights, quantization = _read(path, backend, quantization, widen)
     config = config_from_hf(cfg)
     with _uninitialized():
         model = build_model(config)
-    model.load_weights(weights)
+    model.load_weights(weights)  # read to the end, the iterator lets its file (and a GGUF reader's ~160 MB) go
     _cast(model, dtype)
     model.to(device)
     backend.prepare(model, quantization)
@@ -71,6 +61,20 @@ def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: st
     tokenizer = load_tokenizer(path)
     _add_tokenizer_eos(config, tokenizer)
     return LoadedModel(path, model, config, tokenizer, quantization)
+
+
+def _read(path: str, backend: Backend, quantization: str | None, widen: bool):
+    """(HF config dict, named tensors, the quantization the weights run in) of a GGUF file or a checkpoint."""
+    if path.endswith(".gguf"):
+        gguf = GGUFFile(path)
+        if quantization is None and not widen and backend.runs_gguf_blocks and gguf.is_quantized():
+            quantization = "gguf"
+        if quantization == "gguf" and not gguf.is_quantized():
+            raise ValueError(f"quantization='gguf' runs a GGUF file's blocks; {path!r} holds no block format")
+        return gguf.hf_config(), gguf.hf_weights(as_stored=quantization == "gguf"), quantization
+    if quantization == "gguf":
+        raise ValueError(f"quantization='gguf' runs a GGUF file's blocks; {path!r} is not a .gguf file")
+    return read_hf_config(path), safetensors.hf_weights(path), quantization
 
 
 @contextmanager
