@@ -84,7 +84,7 @@ class CpuBackend(ReferenceBackend):
 
     def invariance_gaps(self, model: nn.Module) -> list[str]:
         native = [*self.native.values(), *self.repacked.values()]  # the methods bound to layers gemm.c tiles
-        gaps = [m for m in model.named_modules() if isinstance(m[1], Linear) and m[1].method not in native]
+        gaps = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and m.method not in native]
         linear = [n for n, m in gaps if not isinstance(m.method, NativeGGUF)]
         blocks = [n for n, m in gaps if isinstance(m.method, NativeGGUF)]
         experts = [n for n, m in model.named_modules() if isinstance(m, Experts) and not self.experts.serves(m)]
