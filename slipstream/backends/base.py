@@ -76,7 +76,7 @@ class Backend:
     # --- binding ---------------------------------------------------------------------------
     def prepare(self, model: nn.Module, quantization: str | None) -> None:
         """Bind every Linear and Experts block of a loaded model (on its device) to its method."""
-        for name, module in model.named_modules():
+        for name, module in list(model.named_modules()):  # a method may add (and bind) modules of its own
             if isinstance(module, Linear):
                 module.bind(self.linear_method(module, quantization_of(name, module, quantization)))
             elif isinstance(module, Experts):

@@ -133,6 +133,17 @@ def _attach_linear(layer: Linear, weight: GGUFWeight) -> None:
         layer.register_buffer(f"blocks{i}", s.data)
 
 
+def split_segments(layer: Linear) -> list[Linear]:
+    """A Linear (no bias, the layer's activation dtype) for each of the layer's segments, holding its blocks."""
+    parts = []
+    for rows in segments(layer):
+        part = Linear(layer.in_features, rows.data.shape[0], bias=False, device="meta")
+        _attach_linear(part, GGUFWeight([rows], layer.in_features))
+        part.dtype = getattr(layer, "dtype", torch.float32)
+        parts.append(part)
+    return parts
+
+
 def segments(module: nn.Module) -> list[BlockRows]:
     """A module's blocks as attached (read from its buffers, so they follow `.to(device)`)."""
     return [BlockRows(fmt, getattr(module, f"blocks{i}")) for i, fmt in enumerate(module.block_formats)]

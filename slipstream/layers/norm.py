@@ -7,8 +7,9 @@ tests hold each one to it:
 - `unit_offset` (Gemma 3, cast last too): scaled by (1 + weight) in float32;
 - `rms_norm`: no learned scale (Gemma 4's values and router input), cast last.
 
-bf16 rows on the CPU go through the native kernel (kernels/norm.c) in the llama form, one
-call where torch runs five ops on a single decode row; it rounds as the torch path does.
+bf16 rows on the CPU go through the native kernel (kernels/norm.c), in every form with a learned
+scale: one call where torch runs five to ten ops on a single decode row; it rounds as the torch
+path does (the sum of squares may add in another order).
 """
 from __future__ import annotations
 
@@ -28,17 +29,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = abi.kernels() if _native(x, self.weight) else None
+        if lib is not None:  # copying a strided x (q/k heads) costs less than torch's ops on it
+            return self._native(lib, x.contiguous())
         if self.cast_last:
             scale = self.weight.float() + 1.0 if self.unit_offset else self.weight.float()
             return (_normalized(x, self.eps) * scale).to(x.dtype)
-        lib = abi.kernels() if _native(x, self.weight) else None
-        if lib is not None:
-            out = torch.empty_like(x)
-            lib.rms_norm_bf16(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
-                              x.shape[-1], self.eps, abi.threads())
-            return out
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # one fused kernel, not five ops
         return self.weight * normed.to(x.dtype)
+
+    def _native(self, lib: abi.Kernels, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        args = (x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps)
+        if self.cast_last:
+            lib.rms_norm_cast_last_bf16(*args, float(self.unit_offset), abi.threads())
+        else:
+            lib.rms_norm_bf16(*args, abi.threads())
+        return out
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,5 +59,4 @@ def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _native(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous()
-            and not torch.is_grad_enabled())
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled())

@@ -17,16 +17,31 @@ def _both_paths(monkeypatch, fn):
     return native, reference
 
 
+FORMS = {"llama": {}, "cast_last": {"cast_last": True}, "unit_offset": {"unit_offset": True}}
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("rows", [1, 7, 40])  # 40 rows: the kernel splits rows across threads
-def test_rms_norm_kernel_rounds_like_torch(isa, monkeypatch, rows):
+def test_rms_norm_kernel_rounds_like_torch(isa, monkeypatch, rows, form):
     torch.manual_seed(0)
-    norm = RMSNorm(576, eps=1e-5).bfloat16()
+    norm = RMSNorm(576, eps=1e-5, **FORMS[form]).bfloat16()
     norm.weight.data.normal_()
     x = (torch.randn(rows, 576) * 3).bfloat16()
     native, reference = _both_paths(monkeypatch, lambda: norm(x))
     assert native.dtype == torch.bfloat16
     # the kernel sums squares in another order; a 1-ulp bf16 difference is possible, rarely
     assert (native != reference).float().mean() < 0.002
+    torch.testing.assert_close(native, reference, rtol=0.01, atol=0.01)
+
+
+def test_rms_norm_kernel_takes_strided_heads(isa, monkeypatch):
+    """Gemma 3's q/k norms see heads of a split projection: a strided view, normalised per head."""
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6, unit_offset=True).bfloat16()
+    norm.weight.data.normal_()
+    q = torch.randn(5, 4 * 64 + 64).bfloat16()[:, :4 * 64].unflatten(-1, (4, 64))
+    native, reference = _both_paths(monkeypatch, lambda: norm(q))
+    assert native.shape == (5, 4, 64)
     torch.testing.assert_close(native, reference, rtol=0.01, atol=0.01)
 
 

@@ -1,4 +1,4 @@
-"""GGUF's Q4_0, Q4_1 and Q8_0 repacked at load for gemm.c's kernels (backends/cpu/gguf_linear.py).
+"""GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 repacked at load for gemm.c's kernels (backends/cpu/gguf_linear.py).
 
 The repacking is exact: the file's bytes come back, memory holds as many bytes as the file, and
 rows dequantize to the torch twin's values (a tied embedding reads them so). The kernels are
@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.backends.cpu import gguf_linear
-from slipstream.backends.cpu.gguf_linear import NativeQ4, NativeQ8, file_blocks
+from slipstream.backends.cpu.gguf_linear import NativeQ4, NativeQ8
+from slipstream.backends.cpu.gguf_repack import K_QUANTS, file_blocks
 from slipstream.backends.cpu.linear import GemmPolicy
 from slipstream.layers.gguf_formats import block_format, dequantize_rows
 from slipstream.layers.gguf_linear import GGUFWeight
@@ -21,8 +22,9 @@ from slipstream.layers.linear import Linear, silu_and_mul
 from tests.kernels.test_gemm import Forced, kernel  # noqa: F401  (a fixture)
 from tests.layers.test_gguf_formats import attach_to, random_blocks
 
-REPACKED = ["Q4_0", "Q4_1", "Q8_0"]
+REPACKED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 TOL = 2**-8  # of |x| . |W|
+K = 512  # two of the k-quants' super-blocks of 256
 
 
 def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -42,10 +44,11 @@ def repacked(fmt: str, n: int, k: int, policy: GemmPolicy, seed: int = 0) -> tup
 
 @pytest.mark.parametrize("fmt", REPACKED)
 def test_repacking_is_exact_and_costs_no_bytes(fmt):
-    layer, blocks = repacked(fmt, 48, 128, GemmPolicy(amx=False, invariant=False))
+    layer, blocks = repacked(fmt, 48, K, GemmPolicy(amx=False, invariant=False))
     assert layer.weight is None and not hasattr(layer, "blocks0")
     assert torch.equal(file_blocks(layer), blocks)
-    assert sum(b.nbytes for b in layer.buffers()) == blocks.nbytes
+    # k-quants keep each 6-bit scale and minimum in a byte: 16 bytes per 256 weights for the file's 12
+    assert sum(b.nbytes for b in layer.buffers()) == blocks.nbytes + (48 * K // 256 * 4 if fmt in K_QUANTS else 0)
     ids = torch.tensor([47, 0, 17, 17, 16])
     assert torch.equal(layer.method.rows(layer, ids), dequantize_rows(block_format(fmt), blocks)[ids])
 
@@ -54,8 +57,8 @@ def test_repacking_is_exact_and_costs_no_bytes(fmt):
 @pytest.mark.parametrize("out_features", [48, 176])  # 3 and 11 blocks of 16 columns: narrow last tiles
 @pytest.mark.parametrize("fmt", REPACKED)
 def test_repacked_gemm_equals_dequantize_then_multiply(kernel, fmt, rows, out_features):  # noqa: F811
-    layer, blocks = repacked(fmt, out_features, 128, kernel, seed=rows)
-    x = torch.randn(rows, 128).bfloat16()
+    layer, blocks = repacked(fmt, out_features, K, kernel, seed=rows)
+    x = torch.randn(rows, K).bfloat16()
     with torch.inference_mode():
         out = layer(x)
     assert out.dtype == torch.bfloat16
@@ -63,13 +66,14 @@ def test_repacked_gemm_equals_dequantize_then_multiply(kernel, fmt, rows, out_fe
 
 
 @pytest.mark.parametrize("rows", [1, 40])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", [f for f in REPACKED if f != "Q8_0"])
 def test_repacked_fused_silu_and_mul_equals_the_float32_activation(kernel, fmt, rows):  # noqa: F811
     """On AMX in the int4 tiles' epilogue, else the projection and gemm.c's silu_and_mul_bf16: gate, up, silu
     and the product each rounded to bf16 (within 2e-2 as in test_gemm.py, on activations of its size)."""
-    layer, blocks = repacked(fmt, 2 * 96, 128, kernel, seed=rows)
-    x = (0.1 * torch.randn(rows, 128)).bfloat16()
-    gate, up = F.linear(x.float(), dequantize_rows(block_format(fmt), blocks)).chunk(2, -1)
+    layer, blocks = repacked(fmt, 2 * 96, K, kernel, seed=rows)
+    w = dequantize_rows(block_format(fmt), blocks)
+    x = (0.02 / w.abs().mean() * torch.randn(rows, K)).bfloat16()  # outputs of order one, whatever the scales
+    gate, up = F.linear(x.float(), w).chunk(2, -1)
     with torch.inference_mode():
         out = silu_and_mul(layer, x)
     torch.testing.assert_close(out.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
@@ -77,8 +81,8 @@ def test_repacked_fused_silu_and_mul_equals_the_float32_activation(kernel, fmt, 
 
 @pytest.mark.parametrize("fmt", REPACKED)
 def test_every_thread_count_computes_the_same_columns(gemm_isa, fmt):
-    layer, _ = repacked(fmt, 176, 128, GemmPolicy(amx=False, invariant=True))
-    x = torch.randn(3, 128).bfloat16()
+    layer, _ = repacked(fmt, 176, K, GemmPolicy(amx=False, invariant=True))
+    x = torch.randn(3, K).bfloat16()
     threads, outputs = torch.get_num_threads(), []
     try:
         for count in (1, 2, 3):
@@ -92,9 +96,9 @@ def test_every_thread_count_computes_the_same_columns(gemm_isa, fmt):
 @pytest.mark.parametrize("fmt", REPACKED)
 def test_rows_without_a_kernel_multiply_dequantized_tiles(gemm_isa, fmt, monkeypatch):
     """Prefill without AMX: no kernel from UPCAST_MIN_ROWS rows; tiles of 32 columns, the last one short."""
-    monkeypatch.setattr(gguf_linear, "DEQUANTIZE_TILE", 32 * 128)
-    layer, blocks = repacked(fmt, 176, 128, GemmPolicy(amx=False, invariant=False))
-    x = torch.randn(200, 128).bfloat16()
+    monkeypatch.setattr(gguf_linear, "DEQUANTIZE_TILE", 32 * K)
+    layer, blocks = repacked(fmt, 176, K, GemmPolicy(amx=False, invariant=False))
+    x = torch.randn(200, K).bfloat16()
     assert layer.method._kernel(layer, x) is None
     check(layer(x), x, dequantize_rows(block_format(fmt), blocks))
 
@@ -104,10 +108,30 @@ def test_cpu_backend_repacks_single_format_layers_of_bf16_models(gemm_isa):
     from slipstream.backends.cpu.capability import CpuCapability
 
     backend = CpuBackend(CpuCapability.detect())
-    for fmt, method in [("Q4_0", NativeQ4), ("Q4_1", NativeQ4), ("Q8_0", NativeQ8), ("Q5_0", gguf_linear.NativeGGUF)]:
-        layer = Linear(64, 32, bias=False)
-        attach_to(layer, GGUFWeight.from_blocks(fmt, random_blocks(fmt, 32, 64), 64))
+    for fmt, method in [("Q4_0", NativeQ4), ("Q4_1", NativeQ4), ("Q5_0", NativeQ4), ("Q5_1", NativeQ4),
+                        ("Q4_K", NativeQ4), ("Q5_K", NativeQ4), ("Q6_K", NativeQ4), ("Q8_0", NativeQ8)]:
+        layer = Linear(256, 32, bias=False)
+        attach_to(layer, GGUFWeight.from_blocks(fmt, random_blocks(fmt, 32, 256), 256))
         layer.dtype = torch.bfloat16
         assert type(backend.linear_method(layer, "gguf")) is method, fmt
         layer.dtype = torch.float32  # the int4/int8 kernels take bf16 activations: float32 keeps gguf_gemm.c
         assert type(backend.linear_method(layer, "gguf")) is gguf_linear.NativeGGUF, fmt
+
+
+def test_a_layer_fused_from_two_formats_runs_each_part_on_its_own_kernel(gemm_isa):
+    """Gemma 3's q/k (Q5_0) and v (Q8_0) in one projection: a part per format, outputs side by side."""
+    from slipstream.backends.cpu.backend import CpuBackend
+    from slipstream.backends.cpu.capability import CpuCapability
+
+    qk, v = random_blocks("Q5_0", 64, K, seed=1), random_blocks("Q8_0", 32, K, seed=2)
+    layer = Linear(K, 96, bias=False)
+    attach_to(layer, GGUFWeight.concat([GGUFWeight.from_blocks("Q5_0", qk.clone(), K),
+                                        GGUFWeight.from_blocks("Q8_0", v.clone(), K)]))
+    layer.dtype = torch.bfloat16
+    layer.bind(CpuBackend(CpuCapability.detect()).linear_method(layer, "gguf"))
+    assert [type(part.method) for part in layer.parts] == [NativeQ4, NativeQ8]
+    assert torch.equal(file_blocks(layer.parts[0]), qk) and torch.equal(file_blocks(layer.parts[1]), v)
+    x = torch.randn(3, K).bfloat16()
+    with torch.inference_mode():
+        out = layer(x)
+    check(out, x, torch.cat([dequantize_rows(block_format("Q5_0"), qk), dequantize_rows(block_format("Q8_0"), v)]))

@@ -152,14 +152,25 @@ def test_perplexity_as_stored_is_the_widened_path_s(model):
 
 
 def test_deterministic_covers_repacked_blocks_and_names_the_others():
-    """Q4_1/Q8_0 (SmolLM2) run on gemm.c's invariant kernels; Gemma 3's Q5_0/Q4_K/Q6_K do not, and are named."""
+    """Every format of both bundled files (SmolLM2's Q4_1/Q8_0; Gemma 3's Q5_0, Q4_K, Q6_K, Q8_0 and q/k/v
+    fused from two of them) runs on gemm.c's invariant kernels; a GGUF layer they cannot tile is named."""
+    from slipstream.backends.cpu.backend import CpuBackend
     from slipstream.backends.cpu.capability import CpuCapability
+    from slipstream.layers.gguf_linear import GGUFWeight
+    from slipstream.layers.linear import Linear
+    from tests.layers.test_gguf_formats import attach_to, random_blocks
 
-    if not CpuCapability.detect().gemm:
+    capability = CpuCapability.detect()
+    if not capability.gemm:
         pytest.skip("deterministic=True needs gemm.c's invariant kernels, which this build lacks")
-    smollm2 = LLM("smollm2-135m", deterministic=True, kv_cache_memory=2**20).engine
-    if smollm2.quantization != "gguf" or not smollm2.backend.batch_invariant:
-        pytest.skip("no native blocks or invariant kernels here: the file loads widened")
-    with pytest.raises(ValueError, match=r"GGUF layers model\.layers\.0\.self_attn\.qkv_proj, .*dtype='bfloat16' widens"):
-        LLM("gemma3-270m", deterministic=True, kv_cache_memory=2**20)
-    assert LLM("gemma3-270m", deterministic=True, dtype="bfloat16", kv_cache_memory=2**20).engine.quantization is None
+    for model in ("smollm2-135m", "gemma3-270m"):
+        engine = LLM(model, deterministic=True, kv_cache_memory=2**20).engine
+        assert engine.quantization == "gguf" and engine.backend.batch_invariant, model
+    holder = torch.nn.Module()
+    holder.proj = Linear(256, 40, bias=False)  # 40 rows: not whole blocks of 16 columns
+    attach_to(holder.proj, GGUFWeight.from_blocks("Q6_K", random_blocks("Q6_K", 40, 256), 256))
+    holder.proj.dtype = torch.bfloat16
+    backend = CpuBackend(capability, deterministic=True)
+    backend.prepare(holder, "gguf")
+    assert backend.invariance_gaps(holder) == ["GGUF layers proj (rows gemm.c cannot tile by 16; "
+                                               "dtype='bfloat16' widens them)"]

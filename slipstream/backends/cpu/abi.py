@@ -114,6 +114,8 @@ class Kernels:
 
     # (x, weight, out, rows, dim, eps, threads)
     rms_norm_bf16 = Function("norm", P, P, P, I64, I32, F32, I32)
+    # (x, weight, out, rows, dim, eps, offset, threads): scaled by weight + offset in float32, rounded once
+    rms_norm_cast_last_bf16 = Function("norm", P, P, P, I64, I32, F32, F32, I32)
     # (q, k, token stride, tokens, q_heads, k_heads, dim, cos [tokens, dim / 2], sin, threads)
     rotary_bf16 = Function("rotary", P, P, I64, I64, I32, I32, I32, P, P, I32)
     # (k, v, k_cache, v_cache, slots, tokens, token stride, heads, dim, num_slots)
@@ -139,6 +141,12 @@ class Kernels:
     # int4 with float16 scale and low (NULL: -8 scale), int8 with a float16 scale per group of 32 and column
     gemm_q4 = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_q8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    # q4 with a plane of fifth bits after low (low NULL: -16 scale)
+    gemm_q5 = Function("gemm", P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    # Q4_K / Q5_K: (x, w, d, dmin, fifth bits or NULL, group scales and minimums, y, m, n, k, threads)
+    gemm_qk = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    # Q6_K: (x, w, d, fifth bits, sixth bits, int8 scales per 16, y, m, n, k, threads)
+    gemm_q6k = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     # 1 where built with AMX tiles and Linux lets this process use them, else 0 and the _amx calls return -1;
     # the same arguments as above; _silu: the weight is a fused [gate; up] and y [M, N/2] = silu(gate) * up
     gemm_amx_available = Function("gemm", restype=ctypes.c_int)
@@ -152,6 +160,12 @@ class Kernels:
     gemm_int4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_q4_amx = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_q4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_q5_amx = Function("gemm", P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_q5_amx_silu = Function("gemm", P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_qk_amx = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_qk_amx_silu = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_q6k_amx = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_q6k_amx_silu = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     # (gate_up, act, tokens, width, threads): act [tokens, width] = silu(gate) * up, as the _silu epilogues round
     silu_and_mul_bf16 = Function("gemm", P, P, I64, I64, I32, restype=STATUS)
     moe_expert_available = Function("moe_expert", restype=ctypes.c_int)

@@ -21,7 +21,8 @@ from slipstream.backends.base import AttentionImpl
 from slipstream.backends.cpu.attention import dense_attention, dense_decode, turboquant_decode, turboquant_prefill
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
-from slipstream.backends.cpu.gguf_linear import DEQUANTIZE_MIN_ROWS, NativeGGUF, NativeQ4, NativeQ8, repackable
+from slipstream.backends.cpu.gguf_linear import (DEQUANTIZE_MIN_ROWS, NativeGGUF, NativeQ4, NativeQ8, Segmented,
+                                                 repackable)
 from slipstream.backends.cpu.linear import (INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy,
                                             NativeBf16, NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
 from slipstream.backends.cpu.moe import UPCAST_MIN_TOKENS, CpuExperts
@@ -45,7 +46,8 @@ class CpuBackend(ReferenceBackend):
         upcast = not capability.amx  # without AMX, float32 GEMMs beat oneDNN's bf16 on large batches
         self.native = {None: NativeBf16(self.policy, upcast), "int8": NativeInt8(self.policy),
                        "int4": NativeInt4(self.policy)}
-        self.repacked = {"Q4_0": NativeQ4(self.policy, upcast), "Q4_1": NativeQ4(self.policy, upcast),
+        q4 = NativeQ4(self.policy, upcast)
+        self.repacked = {**dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"), q4),
                          "Q8_0": NativeQ8(self.policy, upcast)}
         self.bf16 = OneDnnBf16(upcast) if torch.backends.mkldnn.is_available() else Upcast(upcast)
         expert_kernel = ("amx" if capability.amx_kernels else "avx512") if capability.moe_expert else None
@@ -70,6 +72,8 @@ class CpuBackend(ReferenceBackend):
             return self.native[fmt]
         if self.capability.gemm and fmt == "gguf" and repackable(layer):
             return self.repacked[layer.block_formats[0].name]
+        if self.capability.gemm and fmt == "gguf" and len(layer.block_formats) > 1:
+            return Segmented(lambda part: self.linear_method(part, "gguf"))
         if fmt is None and layer.weight.dtype == torch.bfloat16:
             return self.bf16
         if fmt == "gguf" and self.capability.kernels is not None:
@@ -84,13 +88,14 @@ class CpuBackend(ReferenceBackend):
 
     def invariance_gaps(self, model: nn.Module) -> list[str]:
         native = [*self.native.values(), *self.repacked.values()]  # the methods bound to layers gemm.c tiles
-        gaps = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and m.method not in native]
+        gaps = [(n, m) for n, m in model.named_modules()  # a Segmented layer's parts are listed themselves
+                if isinstance(m, Linear) and m.method not in native and not isinstance(m.method, Segmented)]
         linear = [n for n, m in gaps if not isinstance(m.method, NativeGGUF)]
         blocks = [n for n, m in gaps if isinstance(m.method, NativeGGUF)]
         experts = [n for n, m in model.named_modules() if isinstance(m, Experts) and not self.experts.serves(m)]
         return [f"{what} {_first(names)} ({why})" for what, names, why in (
             ("linear layers", linear, "shapes gemm.c cannot tile"),
-            ("GGUF layers", blocks, "formats other than Q4_0/Q4_1/Q8_0; dtype='bfloat16' widens them"),
+            ("GGUF layers", blocks, "rows gemm.c cannot tile by 16; dtype='bfloat16' widens them"),
             ("MoE experts", experts, "moe_expert.c takes SiLU experts of the shapes it tiles")) if names]
 
     def describe(self) -> list[str]:
@@ -123,7 +128,8 @@ def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
 def _gguf_policy(cap: CpuCapability, native: bool) -> str:
     if not native:
         return "as stored, dequantized per call (torch)"
-    q4 = ("Q4_0/Q4_1 repacked for the int4 kernels above (and the decode stack), Q8_0 for the int8 loops; "
+    q4 = ("Q4_0/Q4_1 repacked for the int4 kernels above (and the decode stack), Q5_0/Q5_1/Q4_K/Q5_K/Q6_K for them "
+          "with planes of fifth and sixth bits and k-quant scales, Q8_0 for the int8 loops; fused layers per format; "
           if cap.gemm else "")
     return (f"as stored (quantization='gguf'): {q4}other formats on kernels/gguf_gemm.c below {DEQUANTIZE_MIN_ROWS} "
             "rows, dequantized tiles on oneDNN above")

@@ -1,16 +1,21 @@
-"""The CPU backend's methods for GGUF weights as stored: gemm.c's kernels on Q4_0, Q4_1 and Q8_0
-repacked, kernels/gguf_gemm.c on every other format's blocks as the file has them.
+"""The CPU backend's methods for GGUF weights as stored: every format repacked for gemm.c's kernels
+where the model runs in bf16, kernels/gguf_gemm.c on the file's blocks otherwise.
 
-Q4_0 / Q4_1 (`NativeQ4`) become gemm.c's int4 weights and Q8_0 (`NativeQ8`) its int8 quads, with
-the file's float16 scales (and Q4_1's minimums) per group of 32 and column: the same values and the
-same bytes per weight, moved once at load into the kernels' layout (16 columns side by side, so
-that one vector op applies a group's scale to 16 columns); `file_blocks` moves them back. Q4 takes
-the int4 kernels (AVX-512 loops, AMX tiles, the fused decode stack) wherever the GemmPolicy gives
-int4 one: 3.8x gguf_gemm.c's per-row kernel on SmolLM2's gate_up at one row (31 vs 117 us, one core
-of the AMX machine); Q8_0 the int8 loops below UPCAST_MIN_ROWS (SmolLM2's LM head: 0.73 vs 1.55 ms
-per decode step, 2 threads). A tied embedding reads its rows through `Repacked.rows`.
+Each format becomes gemm.c's int4 weights (`NativeQ4`: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+or its int8 quads (`NativeQ8`: Q8_0), with the file's own scales: the same values and (k-quants
+aside, whose 6-bit scales take a byte each: +2.8% for Q4_K) the same bytes per weight, moved once
+at load into the kernels' layout (16 columns side by side, so that one vector op applies a group's
+scale to 16 columns; the layouts are in gguf_repack.py, whose `file_blocks` moves them back). The
+int4 kernels take the low four bits as nibbles, Q5's and Q6_K's higher bits from planes of one
+dword per group and column, and each format's scales (float16 d and m; k-quants' d and dmin per
+256 with a 6-bit scale and minimum per group; Q6_K's int8 scale per 16): AVX-512 loops, AMX tiles
+for prefill, the fused decode stack for Q4_0/Q4_1, wherever the GemmPolicy gives int4 one. One
+core of the AMX machine, one row: SmolLM2's gate_up (Q4_1) 31 us against gguf_gemm.c's 117; Gemma
+3's (Q5_0) 80 against 272. Q8_0 takes the int8 loops below UPCAST_MIN_ROWS (SmolLM2's LM head:
+0.73 vs 1.55 ms per decode step, 2 threads). A projection fused from two formats (`Segmented`)
+runs each part on its own method; a tied embedding reads its rows through `Repacked.rows`.
 
-For the other formats (`NativeGGUF`; and every format for float32 activations), below
+For float32 activations and layers whose rows do not tile by 16 (`NativeGGUF`), below
 DEQUANTIZE_MIN_ROWS rows (decode, small batches) every segment of a layer's blocks is
 multiplied in place by the native GEMM (codes widened to float32 in registers, the format's
 scales per group: see the kernel's header), writing its columns of the output directly. From
@@ -22,13 +27,16 @@ the reference the tests hold the kernels to. This module never knows files or mo
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from slipstream.backends.cpu import abi
-from slipstream.backends.cpu.linear import (UPCAST_MIN_ROWS, GemmPolicy, NativeCodes, dense_linear, native_matmul,
-                                            pack_nibbles, pack_quads, unpack_nibbles, unpack_quads)
-from slipstream.layers.gguf_linear import BlockRows, GGUFLinear, segments
+from slipstream.backends.cpu.gguf_repack import REPACKED, dequantized, repack, selected
+from slipstream.backends.cpu.linear import UPCAST_MIN_ROWS, GemmPolicy, NativeCodes, dense_linear, native_matmul
+from slipstream.layers.gguf_linear import BlockRows, GGUFLinear, segments, split_segments
 from slipstream.layers.linear import Linear, LinearMethod
 
 # One core of the development machine (AMX), CPU time, native GEMM vs dequantizing + bf16 F.linear
@@ -81,51 +89,33 @@ def dequantize(lib: abi.Kernels, ggml_type: int, blocks: torch.Tensor, k: int) -
     return out
 
 
-HEADS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1}  # float16 values heading each block: d; d and m; d
+class Segmented(LinearMethod):
+    """A projection fused from parts the file stores in different formats (Gemma 3's q/k in Q5_0, v in
+    Q8_0): each segment a Linear of its own (`layer.parts`) bound to the backend's method for its format,
+    their outputs side by side."""
+
+    name = "gguf"
+
+    def __init__(self, method_for: Callable[[Linear], LinearMethod]):
+        self.method_for = method_for
+
+    def create(self, layer: Linear) -> None:
+        layer.parts = nn.ModuleList(split_segments(layer))
+        for i, part in enumerate(layer.parts):
+            part.bind(self.method_for(part))
+            delattr(layer, f"blocks{i}")
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in layer.parts], dim=-1)
+        return out if layer.bias is None else out + layer.bias
 
 
 def repackable(layer: Linear) -> bool:
-    """One segment of Q4_0, Q4_1 or Q8_0 whose columns tile by 16, activations in bf16 (the kernels')."""
+    """One segment of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K whose columns tile by 16, activations
+    in bf16 (the kernels')."""
     formats = layer.block_formats
-    return (len(formats) == 1 and formats[0].name in HEADS and layer.out_features % 16 == 0
+    return (len(formats) == 1 and formats[0].name in REPACKED and layer.out_features % 16 == 0
             and getattr(layer, "dtype", None) == torch.bfloat16)
-
-
-def repack(rows: BlockRows) -> dict[str, torch.Tensor]:
-    """Blocks [N, row bytes] -> gemm.c's layouts: codes `packed` (Q4: nibbles [N/16, K/8, 16, 4]; Q8_0:
-    int8 quads [N/16, K/4, 16, 4]), float16 `packed_scale` (d) and, for Q4_1, `packed_low` (m),
-    [N/16, K/32, 16]."""
-    n, heads = rows.data.shape[0], HEADS[rows.fmt.name]
-    blocks = rows.data.view(n, -1, rows.fmt.type_size)
-    scales = blocks[..., :2 * heads].contiguous().view(torch.float16)  # [N, groups, heads]
-    codes = blocks[..., 2 * heads:]
-    if rows.fmt.name == "Q8_0":
-        packed = pack_quads(codes.contiguous().view(torch.int8).reshape(n, -1))
-    else:  # a block's 16 low nibbles, then its 16 high ones
-        packed = pack_nibbles(torch.cat([codes & 15, codes >> 4], dim=-1).reshape(n, -1))
-    by_block = lambda t: t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous()  # noqa: E731
-    repacked = {"packed": packed, "packed_scale": by_block(scales[..., 0])}
-    if heads == 2:
-        repacked["packed_low"] = by_block(scales[..., 1])
-    return repacked
-
-
-def _selected(layer: Linear, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Rows `ids` of a repacked layer: their codes [len, K] and float16 heads [len, groups] each."""
-    at = (ids // 16, slice(None), ids % 16)
-    packed = layer.packed[at].unsqueeze(2)  # [len, steps, 1, 4]
-    codes = unpack_quads(packed) if packed.dtype == torch.int8 else unpack_nibbles(packed)
-    low = getattr(layer, "packed_low", None)
-    return codes, [layer.packed_scale[at]] + ([] if low is None else [low[at]])
-
-
-def file_blocks(layer: Linear) -> torch.Tensor:
-    """`repack` undone: the file's blocks [N, row bytes]."""
-    codes, heads = _selected(layer, torch.arange(layer.out_features))
-    n, k = codes.shape
-    groups = codes.view(n, k // 32, 32)
-    payload = groups.view(torch.uint8) if codes.dtype == torch.int8 else groups[..., :16] | (groups[..., 16:] << 4)
-    return torch.cat([*(h.unsqueeze(-1).view(torch.uint8) for h in heads), payload], dim=-1).reshape(n, -1)
 
 
 class Repacked(LinearMethod):
@@ -154,19 +144,13 @@ class Repacked(LinearMethod):
         return out if layer.bias is None else out.add_(layer.bias)
 
     def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
-        codes, heads = _selected(layer, ids)
-        n, k = codes.shape
-        d = heads[0].float().unsqueeze(-1)
-        if len(heads) == 2:  # Q4_1
-            low = heads[1].float().unsqueeze(-1)
-        else:  # Q4_0's codes sit at 8, Q8_0's are signed
-            low = -8 * d if codes.dtype == torch.uint8 else 0
-        return (d * codes.view(n, k // 32, 32).float() + low).reshape(n, k)
+        return dequantized(selected(layer, ids))
 
 
 class NativeQ4(NativeCodes, Repacked):
     """Repacked Q4_0 / Q4_1 on gemm.c's int4 kernels with float16 scales (`gemm_q4*`), the decode stack's
-    too, wherever the GemmPolicy gives int4 one."""
+    too, wherever the GemmPolicy gives int4 one; Q5_0 / Q5_1 the same with their fifth bits (`gemm_q5*`),
+    not in the decode stack."""
 
     layout = "int4"
 
@@ -176,9 +160,12 @@ class NativeQ4(NativeCodes, Repacked):
 
     def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
         return native_matmul(x, layer.packed, layer.packed_scale, getattr(layer, "packed_low", None), kernel=kernel,
-                             silu=silu)
+                             silu=silu, high=getattr(layer, "packed_high", None),
+                             group=getattr(layer, "packed_group", None), sixth=getattr(layer, "packed_sixth", None))
 
-    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
+    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight | None:
+        if hasattr(layer, "packed_high") or hasattr(layer, "packed_group"):  # the decode stack has Q4 only
+            return None
         low = getattr(layer, "packed_low", None)
         return abi.Weight(lib.weight_kind_q4, layer.packed.data_ptr(), layer.packed_scale.data_ptr(),
                           None if low is None else low.data_ptr(), layer.out_features)

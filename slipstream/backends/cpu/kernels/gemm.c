@@ -305,6 +305,17 @@ int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, ui
 // total as sum * scale + (sum of the group's xq) * low. scale, low: [N/16][K/GROUP][16] float32,
 // or float16 (`gemm_q4`): GGUF's Q4_1 and Q4_0 repacked from a file's blocks keep their scales as
 // the file stores them, the same bytes per weight; Q4_0 has no low (NULL), which is -8 * scale.
+// `gemm_q5` (GGUF's Q5_0 / Q5_1 repacked) adds each code's fifth bit from a plane `high`, one dword
+// per group and column ([N/16][K/GROUP][16], the file's 4 bytes per block): bit p holds K step 2p of
+// the group, bit 16 + p step 2p + 1, so that rotating the dword right by p - 4 and masking with
+// 0x00100010 gives the fifth bits of pair p = 4c + t as the nibbles above give its low four. Q5_0
+// has no low: -16 * scale. `gemm_qk` (GGUF's Q4_K / Q5_K repacked; high NULL for Q4_K) takes its
+// float16 d and dmin per 256 K steps and column as scale and low ([N/16][K/256][16]) and a group's 6-bit
+// scale and minimum from `group` ([N/16][K/GROUP][2][16] bytes): the group's scale d * sc and low
+// -dmin * mn, each exact in float32, as the format defines them. `gemm_q6k` (GGUF's Q6_K repacked)
+// adds a second plane, of sixth bits, and takes an int8 scale per 16 K steps and column from `group`
+// ([N/16][K/16][16]) times d per 256: each group's sums are flushed per half, times d * sc, plus the
+// half's sum of xq times -32 d sc. Sums of x are taken per 16 for that; a group's is their sum, exact.
 #define GROUP 32
 #define MR4 4
 #define NR4 2  // 16-column blocks per tile of MR4 rows; fewer rows take twice as many (more independent sums)
@@ -312,53 +323,106 @@ int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, ui
 typedef struct {
     const void *scale, *low;
     int half;
+    const uint32_t *high;  // fifth bits (gemm_q5), or NULL
+    const uint8_t *group;  // k-quants' 6-bit scale and minimum per group (gemm_qk), Q6_K's int8 scales, or NULL
+    const uint32_t *sixth;  // Q6_K's sixth bits, or NULL
 } GroupScales;
+
+// pair p's bits of a plane moved to bits `bit` and 16 + `bit` and OR-ed into its codes (0xF8: a | (b & c))
+static inline __m512i with_bit(__m512i pair, __m512i plane, int p, int bit) {
+    __m512i bits = _mm512_rorv_epi32(plane, _mm512_set1_epi32((p + 32 - bit) % 32));
+    return _mm512_ternarylogic_epi32(pair, bits, _mm512_set1_epi32(0x00010001 << bit), 0xF8);
+}
+
+// What a kernel copy reads besides the nibbles, a constant in each: testing the GroupScales per pair or
+// per group cost Q4 a third of its speed.
+enum { PLAIN, FIFTH, K_QUANT, K_QUANT_FIFTH, Q6K };
+
+static inline int kind_of(const GroupScales *gs) {
+    if (gs->sixth) return Q6K;
+    if (gs->group) return gs->high ? K_QUANT_FIFTH : K_QUANT;
+    return gs->high ? FIFTH : PLAIN;
+}
+
+static inline int planes_of(int kind) { return kind == Q6K ? 2 : kind == FIFTH || kind == K_QUANT_FIFTH; }
+
+// pair p of a dword of nibbles with its planes' bits (c: the dword's index in its group, t: the pair's in it)
+static inline __m512i codes_at(int kind, __m512i codes, __m512i high, __m512i sixth, int c, int t) {
+    __m512i q = _mm512_and_si512(_mm512_srli_epi32(codes, 4 * t), _mm512_set1_epi32(0x000F000F));
+    if (planes_of(kind) > 0) q = with_bit(q, high, 4 * c + t, 4);
+    if (planes_of(kind) > 1) q = with_bit(q, sixth, 4 * c + t, 5);
+    return q;
+}
 
 static inline __m512 scales16(const void *p, int half, int64_t at) {
     return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)))
                 : _mm512_loadu_ps((const float *)p + at);
 }
 
-// scale and low of the 16 columns whose first entry is `at`
-static inline void scale_and_low(const GroupScales *gs, int64_t at, __m512 *s, __m512 *m) {
+// scale and low of the 16 columns whose first entry is `at`, for the group's first or second `half` (Q6_K)
+static inline void scale_and_low(const GroupScales *gs, int kind, int64_t at, int half, __m512 *s, __m512 *m) {
+    if (kind == Q6K) {  // at / 16: the group's index over all column blocks; eight groups per d
+        __m128i sc = _mm_loadu_si128((const __m128i *)(gs->group + at * 2 + half * 16));
+        *s = _mm512_mul_ps(scales16(gs->scale, 1, at / 128 * 16), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        *m = _mm512_mul_ps(*s, _mm512_set1_ps(-32.0f));
+        return;
+    }
+    if (kind == K_QUANT || kind == K_QUANT_FIFTH) {
+        const uint8_t *sc = gs->group + at * 2;
+        __m512 d = scales16(gs->scale, 1, at / 128 * 16), dmin = scales16(gs->low, 1, at / 128 * 16);
+        *s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc))));
+        *m = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin),
+                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16)))));
+        return;
+    }
     *s = scales16(gs->scale, gs->half, at);
-    *m = gs->low ? scales16(gs->low, gs->half, at) : _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
+    *m = gs->low ? scales16(gs->low, gs->half, at) : _mm512_mul_ps(*s, _mm512_set1_ps(kind == FIFTH ? -16.0f : -8.0f));
 }
 
 // scales: the first of this tile's 16-column block in gs
 static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, const float *row_scale,
                                                             const float *xsum, int64_t k, const uint8_t *w,
                                                             const GroupScales *gs, int64_t scales, uint16_t *y,
-                                                            int64_t n, int mr, int nr) {
+                                                            int64_t n, int mr, int nr, int kind) {
     int64_t groups = k / GROUP;
     __m512 acc[MR4][2 * NR4];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i part[MR4][2 * NR4];
-        for (int i = 0; i < mr; i++)
-            for (int j = 0; j < nr; j++) part[i][j] = _mm512_setzero_si512();
-        for (int c = 0; c < GROUP / 8; c++) {
-            __m512i codes[2 * NR4];
-            for (int j = 0; j < nr; j++) codes[j] = _mm512_loadu_si512(w + (j * k / 8 + g * GROUP / 8 + c) * 64);
-            for (int t = 0; t < 4; t++) {
-                for (int i = 0; i < mr; i++) {
-                    int32_t pair;
-                    __builtin_memcpy(&pair, xq + i * k + g * GROUP + c * 8 + 2 * t, sizeof pair);
-                    __m512i x_pair = _mm512_set1_epi32(pair);
-                    for (int j = 0; j < nr; j++) {
-                        __m512i q = _mm512_and_si512(_mm512_srli_epi32(codes[j], 4 * t), _mm512_set1_epi32(0x000F000F));
-                        part[i][j] = dot_int16(part[i][j], x_pair, q);
+        __m512i high[2 * NR4], sixth[2 * NR4], part[MR4][2 * NR4];
+        for (int j = 0; j < nr; j++) {
+            int64_t at = scales + (j * groups + g) * 16;
+            high[j] = planes_of(kind) > 0 ? _mm512_loadu_si512(gs->high + at) : _mm512_setzero_si512();
+            sixth[j] = planes_of(kind) > 1 ? _mm512_loadu_si512(gs->sixth + at) : _mm512_setzero_si512();
+        }
+        int halves = kind == Q6K ? 2 : 1;  // Q6_K's scales change every 16 K steps
+        for (int h = 0; h < halves; h++) {
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++) part[i][j] = _mm512_setzero_si512();
+            for (int c = h * 4 / halves; c < (h + 1) * 4 / halves; c++) {
+                __m512i codes[2 * NR4];
+                for (int j = 0; j < nr; j++) codes[j] = _mm512_loadu_si512(w + (j * k / 8 + g * GROUP / 8 + c) * 64);
+                for (int t = 0; t < 4; t++) {
+                    __m512i q[2 * NR4];
+                    for (int j = 0; j < nr; j++) q[j] = codes_at(kind, codes[j], high[j], sixth[j], c, t);
+                    for (int i = 0; i < mr; i++) {
+                        int32_t pair;
+                        __builtin_memcpy(&pair, xq + i * k + g * GROUP + c * 8 + 2 * t, sizeof pair);
+                        __m512i x_pair = _mm512_set1_epi32(pair);
+                        for (int j = 0; j < nr; j++) part[i][j] = dot_int16(part[i][j], x_pair, q[j]);
                     }
                 }
             }
-        }
-        for (int j = 0; j < nr; j++) {
-            __m512 s, m;
-            scale_and_low(gs, scales + (j * groups + g) * 16, &s, &m);
-            for (int i = 0; i < mr; i++)
-                acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i * groups + g]), m,
-                                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[i][j]), s, acc[i][j]));
+            for (int j = 0; j < nr; j++) {  // the sums join the total
+                __m512 s, m;
+                scale_and_low(gs, kind, scales + (j * groups + g) * 16, h, &s, &m);
+                for (int i = 0; i < mr; i++) {
+                    const float *x16 = xsum + i * 2 * groups + 2 * g;  // the group's sums of xq per 16
+                    float xs = halves == 2 ? x16[h] : x16[0] + x16[1];
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs), m,
+                                                _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[i][j]), s, acc[i][j]));
+                }
+            }
         }
     }
     for (int i = 0; i < mr; i++)
@@ -368,36 +432,37 @@ static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, c
 static inline __attribute__((always_inline)) void column_tile_int4(const int16_t *xq, const float *row_scale,
                                                                    const float *xsum, int64_t m, int64_t k,
                                                                    const uint8_t *w, const GroupScales *gs,
-                                                                   int64_t scales, uint16_t *y, int64_t n, int nr) {
+                                                                   int64_t scales, uint16_t *y, int64_t n, int nr,
+                                                                   int kind) {
     int64_t i = 0, groups = k / GROUP;
     if (nr == NR4)
         for (; i + MR4 <= m; i += MR4)
-            tile_int4(xq + i * k, row_scale + i, xsum + i * groups, k, w, gs, scales, y + i * n, n, MR4, NR4);
+            tile_int4(xq + i * k, row_scale + i, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, MR4, NR4, kind);
     for (; i < m; i++) {  // constant widths keep the sums in registers
         const int16_t *xr = xq + i * k;
         if (nr == 2 * NR4)
-            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, gs, scales, y + i * n, n, 1, 2 * NR4);
+            tile_int4(xr, row_scale + i, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, 1, 2 * NR4, kind);
         else if (nr == 3)
-            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, gs, scales, y + i * n, n, 1, 3);
+            tile_int4(xr, row_scale + i, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, 1, 3, kind);
         else if (nr == NR4)
-            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, gs, scales, y + i * n, n, 1, NR4);
+            tile_int4(xr, row_scale + i, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, 1, NR4, kind);
         else
-            tile_int4(xr, row_scale + i, xsum + i * groups, k, w, gs, scales, y + i * n, n, 1, 1);
+            tile_int4(xr, row_scale + i, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, 1, 1, kind);
     }
 }
 
 static int int4_gemm(const uint16_t *x, const uint8_t *w_packed, const GroupScales *gs, uint16_t *y, int64_t m,
                      int64_t n, int64_t k, int threads) {
-    float *row_scale = n % 16 || k % GROUP ? NULL : malloc(sizeof(float) * m * (1 + k / GROUP));
+    float *row_scale = n % 16 || k % GROUP ? NULL : malloc(sizeof(float) * m * (1 + 2 * k / GROUP));
     int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
     if (!xq) {
         free(row_scale);
         return -1;
     }
     float *xsum = row_scale + m;
-    for (int64_t r = 0; r < m * (k / GROUP); r++) {
+    for (int64_t r = 0; r < m * (2 * k / GROUP); r++) {  // per 16: exact integers in float32
         int32_t total = 0;
-        for (int t = 0; t < GROUP; t++) total += xq[r * GROUP + t];
+        for (int t = 0; t < GROUP / 2; t++) total += xq[r * GROUP / 2 + t];
         xsum[r] = (float)total;
     }
     int width = m < MR4 ? 2 * NR4 : NR4;
@@ -405,9 +470,19 @@ static int int4_gemm(const uint16_t *x, const uint8_t *w_packed, const GroupScal
     {
         int64_t begin, end;
         thread_blocks(n / 16, &begin, &end);
-        for (int64_t b = begin; b < end; b += width)
-            column_tile_int4(xq, row_scale, xsum, m, k, w_packed + b * 8 * k, gs, b * 16 * (k / GROUP), y + b * 16, n,
-                             end - b < width ? (int)(end - b) : width);
+        for (int64_t b = begin; b < end; b += width) {
+#define COLUMN_TILE(kind)                                                                                          \
+    column_tile_int4(xq, row_scale, xsum, m, k, w_packed + b * 8 * k, gs, b * 16 * (k / GROUP), y + b * 16, n, \
+                     end - b < width ? (int)(end - b) : width, kind)
+            switch (kind_of(gs)) {
+                case PLAIN: COLUMN_TILE(PLAIN); break;
+                case FIFTH: COLUMN_TILE(FIFTH); break;
+                case K_QUANT: COLUMN_TILE(K_QUANT); break;
+                case K_QUANT_FIFTH: COLUMN_TILE(K_QUANT_FIFTH); break;
+                default: COLUMN_TILE(Q6K);
+            }
+#undef COLUMN_TILE
+        }
     }
     free(xq);
     free(row_scale);
@@ -417,15 +492,37 @@ static int int4_gemm(const uint16_t *x, const uint8_t *w_packed, const GroupScal
 // Returns 0, or -1 when N % 16 or K % GROUP is not zero or memory runs out.
 int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
               int64_t m, int64_t n, int64_t k, int threads) {
-    GroupScales gs = {scale, low, 0};
+    GroupScales gs = {scale, low, 0, NULL, NULL, NULL};
     return int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
 }
 
 // gemm_int4 with float16 scale and low (NULL: -8 * scale)
 int gemm_q4(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low, uint16_t *y,
             int64_t m, int64_t n, int64_t k, int threads) {
-    GroupScales gs = {scale, low, 1};
+    GroupScales gs = {scale, low, 1, NULL, NULL, NULL};
     return int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
+}
+
+// gemm_q4 with a plane of fifth bits (low NULL: -16 * scale)
+int gemm_q5(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
+            const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    GroupScales gs = {scale, low, 1, high, NULL, NULL};
+    return int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
+}
+
+// Q6_K: d per 256 K steps, an int8 scale per 16 (group), fifth and sixth bits; -1 also when K % 256 is not zero
+int gemm_q6k(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high, const uint32_t *sixth,
+             const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    GroupScales gs = {d, NULL, 1, high, (const uint8_t *)group, sixth};
+    return k % 256 ? -1 : int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
+}
+
+// gemm_q5 for k-quants: d and dmin per 256 K steps (scale, low), a 6-bit scale and minimum per group;
+// -1 also when K % 256 is not zero
+int gemm_qk(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
+            const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    GroupScales gs = {d, dmin, 1, high, group, NULL};
+    return k % 256 ? -1 : int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
 }
 // --- AMX tiles ------------------------------------------------------------------------------
 // The same products on AMX's tile unit, for the row counts where it wins (backends/cpu/linear.py):
@@ -681,18 +778,21 @@ static void widen_int8_block(const int8_t *w, int64_t k, uint16_t *out) {
     }
 }
 
-// int4: codes [k/8][16][4 bytes], scale and low [k/32][16] -> bf16 pairs of q * scale + low.
+// int4: codes [k/8][16][4 bytes] (and the planes of higher bits), each kind's scales -> bf16 pairs of q * scale + low.
 static void widen_int4_block(const uint8_t *w, const GroupScales *gs, int64_t scales, int64_t k, uint16_t *out) {
     static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i order = _mm512_loadu_si512(interleave), nibbles = _mm512_set1_epi32(0x000F000F);
+    const __m512i order = _mm512_loadu_si512(interleave);
+    int kind = kind_of(gs);
     for (int64_t g = 0; g < k / GROUP; g++) {
-        __m512 s, m;
-        scale_and_low(gs, scales + g * 16, &s, &m);
+        __m512i high = gs->high ? _mm512_loadu_si512(gs->high + scales + g * 16) : _mm512_setzero_si512();
+        __m512i sixth = gs->sixth ? _mm512_loadu_si512(gs->sixth + scales + g * 16) : _mm512_setzero_si512();
         for (int c = 0; c < GROUP / 8; c++) {
+            __m512 s, m;
+            scale_and_low(gs, kind, scales + g * 16, c / 2, &s, &m);  // the half only matters to Q6_K
             __m512i codes = _mm512_loadu_si512(w + (g * GROUP / 8 + c) * 64);
             for (int t = 0; t < 4; t++) {  // K steps 2t and 2t + 1 of the dword, as for `tile_int4`
-                __m512i pair = _mm512_and_si512(_mm512_srli_epi32(codes, 4 * t), nibbles);
+                __m512i pair = codes_at(kind, codes, high, sixth, c, t);
                 __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF))), s, m);
                 __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16)), s, m);
                 __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // even steps, then odd
@@ -813,6 +913,41 @@ int gemm_q4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t 
                      uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
     return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 1}, y, m, n, k, threads, 1);
 }
+
+// the same with a plane of fifth bits, as gemm_q5
+int gemm_q5_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
+                const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 1, high}, y, m, n, k, threads, 0);
+}
+
+int gemm_q5_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
+                     const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 1, high}, y, m, n, k, threads, 1);
+}
+
+int gemm_q6k_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high,
+                 const uint32_t *sixth, const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    GroupScales gs = {d, NULL, 1, high, (const uint8_t *)group, sixth};
+    return k % 256 ? -1 : gemm_int4_tiles(x, w_packed, gs, y, m, n, k, threads, 0);
+}
+
+int gemm_q6k_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high,
+                      const uint32_t *sixth, const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                      int threads) {
+    GroupScales gs = {d, NULL, 1, high, (const uint8_t *)group, sixth};
+    return k % 256 ? -1 : gemm_int4_tiles(x, w_packed, gs, y, m, n, k, threads, 1);
+}
+
+int gemm_qk_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
+                const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return k % 256 ? -1 : gemm_int4_tiles(x, w_packed, (GroupScales){d, dmin, 1, high, group, NULL}, y, m, n, k, threads, 0);
+}
+
+int gemm_qk_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
+                     const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                     int threads) {
+    return k % 256 ? -1 : gemm_int4_tiles(x, w_packed, (GroupScales){d, dmin, 1, high, group, NULL}, y, m, n, k, threads, 1);
+}
 #endif
 #else
 int gemm_bf16_available(void) { return 0; }
@@ -840,6 +975,21 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
 
 int gemm_q4(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low, uint16_t *y,
             int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_q5(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
+            const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_qk(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
+            const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_q6k(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high, const uint32_t *sixth,
+             const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
 
@@ -900,6 +1050,38 @@ int gemm_q4_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scal
 
 int gemm_q4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
                      uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_q5_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
+                const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_q5_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
+                     const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_qk_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
+                const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_qk_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
+                     const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                     int threads) {
+    return -1;
+}
+
+int gemm_q6k_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high,
+                 const uint32_t *sixth, const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_q6k_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high,
+                      const uint32_t *sixth, const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                      int threads) {
     return -1;
 }
 #endif
