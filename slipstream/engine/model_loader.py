@@ -49,16 +49,16 @@ def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: st
         raise ValueError(f"quantization={quantization!r} runs on PyTorch's CPU kernels; "
                          f"device={device.type!r} is not supported (use device='cpu' or no quantization)")
     path = resolve_model_path(name)
-    cfg, weights, quantization = _read(path, backend, quantization, widen)
+    cfg, weights, quantization = _read(path, backend, quantization, widen)  # headers only: weights are read below
+    tokenizer = load_tokenizer(path)  # before the weights: its transient memory (Gemma 3's: ~730 MiB) never meets them
     config = config_from_hf(cfg)
     with _uninitialized():
         model = build_model(config)
-    model.load_weights(weights)  # read to the end, the iterator lets its file (and a GGUF reader's ~160 MB) go
+    model.load_weights(weights)  # read to the end, the iterator lets its file go
     _cast(model, dtype)
     model.to(device)
     backend.prepare(model, quantization)
     model.eval()
-    tokenizer = load_tokenizer(path)
     _add_tokenizer_eos(config, tokenizer)
     return LoadedModel(path, model, config, tokenizer, quantization)
 

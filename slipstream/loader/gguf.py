@@ -5,9 +5,10 @@ architecture it is, how its metadata keys and tensor names map to transformers' 
 which config values the file does not store, and which of llama.cpp's conversions to undo.
 The metadata becomes an HF-style config dict that the model class parses like config.json.
 
-Quantized tensors are either kept as the file stores them (`as_stored`: a `GGUFWeight` of the
-file's blocks, copied out of the memory map one tensor at a time, for the block formats of
-layers/gguf_formats.py) or dequantized to float32 with the `gguf` package; 1-D tensors (norms)
+The header is parsed by loader/gguf_reader.py. Quantized tensors are either kept as the file
+stores them (`as_stored`: a `GGUFWeight` of the file's blocks, read from the file one tensor at a
+time, for the block formats of layers/gguf_formats.py) or dequantized to float32 with the `gguf`
+package; 1-D tensors (norms)
 and formats without a block twin are always dequantized. llama.cpp's converter permutes the
 rows of llama Q and K projections for its rope layout, and stores Gemma's norm weights as
 1 + weight; we undo both so the weights match the HF layout our model code uses. The row
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from slipstream.layers.gguf_formats import FORMATS
+from slipstream.loader.gguf_reader import GGUFReader, SkippedValue, TensorInfo
 from slipstream.layers.gguf_linear import GGUFWeight
 
 # GGUF key (after "<arch>.") -> HF config key; keys a file lacks are left out
@@ -71,19 +73,19 @@ GGUF_ARCHITECTURES = {
 
 class GGUFFile:
     def __init__(self, path: str):
-        from gguf import GGUFReader
-
         try:
             self.reader = GGUFReader(path)
-        except Exception as e:  # the reader raises assorted errors on a damaged file
+        except Exception as e:  # a damaged file fails in assorted ways (struct, decoding, enum values)
             raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
         self.path = path
         self.arch = self.field("general.architecture")
         self.tensors = {t.name: t for t in self.reader.tensors}
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        value = self.reader.fields.get(key, default)
+        if isinstance(value, SkippedValue):
+            raise ValueError(f"GGUF field {key!r} is an array of strings, which the header parse skips")
+        return value
 
     @property
     def spec(self) -> GGUFArchitecture:
@@ -102,7 +104,7 @@ class GGUFFile:
                 cfg[hf_key] = value
         eos = self.field("tokenizer.ggml.eos_token_id")
         cfg.update(architectures=[spec.hf_architecture],
-                   vocab_size=self.tensors["token_embd.weight"].shape[1].item(),
+                   vocab_size=self.tensors["token_embd.weight"].shape[1],
                    tie_word_embeddings="output.weight" not in self.tensors,
                    bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
                    eos_token_id=[] if eos is None else [eos])
@@ -113,7 +115,7 @@ class GGUFFile:
         return any(_as_stored_format(t) is not None for t in self.tensors.values())
 
     def tensor_bytes(self) -> int:
-        return sum(int(t.n_bytes) for t in self.tensors.values())
+        return sum(t.n_bytes for t in self.tensors.values())
 
     def hf_weights(self, as_stored: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         """(HF name, tensor) per file tensor; with `as_stored` matrices in a block format come as
@@ -124,27 +126,27 @@ class GGUFFile:
         for name, tensor in self.tensors.items():
             hf_name = hf_tensor_name(name, spec.layer_names)
             fmt = _as_stored_format(tensor) if as_stored else None
-            w = torch.from_numpy(dequantize(tensor)) if fmt is None else torch.from_numpy(np.array(tensor.data))
+            data = self.reader.read(tensor)
+            w = torch.from_numpy(dequantize(data, tensor.tensor_type) if fmt is None else data)
             if spec.unpermute_qk and hf_name.endswith("self_attn.q_proj.weight"):
                 w = unpermute_rope_rows(w, heads)
             elif spec.unpermute_qk and hf_name.endswith("self_attn.k_proj.weight"):
                 w = unpermute_rope_rows(w, kv_heads)
             elif spec.norm_offset and hf_name.endswith("norm.weight"):
                 w = w - spec.norm_offset
-            yield hf_name, w if fmt is None else GGUFWeight.from_blocks(fmt, w, tensor.shape[0].item())
+            yield hf_name, w if fmt is None else GGUFWeight.from_blocks(fmt, w, tensor.shape[0])
 
 
-def _as_stored_format(tensor) -> str | None:
+def _as_stored_format(tensor: TensorInfo) -> str | None:
     """The block format a 2-D tensor keeps in memory, or None where it is widened to float."""
     name = tensor.tensor_type.name
     return name if len(tensor.shape) == 2 and name in FORMATS else None
 
 
-def dequantize(tensor) -> np.ndarray:
+def dequantize(data: np.ndarray, tensor_type) -> np.ndarray:
     from gguf import quants
 
-    array = quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-    return array if array.flags.writeable else array.copy()  # memory-mapped F32 data is read-only
+    return quants.dequantize(data, tensor_type).astype(np.float32, copy=False)
 
 
 def hf_tensor_name(name: str, layer_names: dict[str, str]) -> str:

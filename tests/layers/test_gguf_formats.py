@@ -70,6 +70,37 @@ def test_bundled_file_tensors_dequantize_as_the_gguf_package_does(smollm2_gguf):
         assert torch.equal(ours, gguf_dequantize(t.tensor_type.name, blocks)), name
 
 
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_header_reader_gives_the_gguf_package_s_fields_and_tensors(model):
+    """loader/gguf_reader.py against the gguf package's reader on the bundled files: every field's
+    value (arrays of strings skipped, and refused by name), every tensor's type, shape, size and bytes."""
+    from gguf import GGUFReader as PackageReader
+
+    from slipstream.loader.gguf import GGUFFile
+    from slipstream.loader.gguf_reader import GGUFReader, SkippedValue
+    from slipstream.loader.registry import resolve_model_path
+
+    path = resolve_model_path(model)
+    ours, theirs = GGUFReader(path), PackageReader(path)
+    assert ours.fields.keys() == theirs.fields.keys() - {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+    for key, value in ours.fields.items():
+        expected = theirs.fields[key].contents()
+        if isinstance(value, SkippedValue):
+            assert all(isinstance(v, str) for v in expected), key
+        else:
+            assert value == pytest.approx(expected) if isinstance(expected, float) else value == expected, key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, package in zip(ours.tensors, theirs.tensors):
+        assert (mine.tensor_type, mine.shape, mine.n_bytes) == (package.tensor_type, tuple(package.shape.tolist()),
+                                                                package.n_bytes), mine.name
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_norm.weight", "output_norm.weight"):
+        mine, package = (next(t for t in r.tensors if t.name == name) for r in (ours, theirs))
+        data = ours.read(mine)
+        assert data.dtype == package.data.dtype and np.array_equal(data, package.data), name
+    with pytest.raises(ValueError, match="'tokenizer.ggml.tokens' is an array of strings"):
+        GGUFFile(path).field("tokenizer.ggml.tokens")
+
+
 def _permute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's converter's permutation, which the loader undoes."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
