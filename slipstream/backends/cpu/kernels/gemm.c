@@ -778,18 +778,19 @@ static void widen_int8_block(const int8_t *w, int64_t k, uint16_t *out) {
     }
 }
 
-// int4: codes [k/8][16][4 bytes] (and the planes of higher bits), each kind's scales -> bf16 pairs of q * scale + low.
-static void widen_int4_block(const uint8_t *w, const GroupScales *gs, int64_t scales, int64_t k, uint16_t *out) {
+// int4: codes [k/8][16][4 bytes] (and the planes of higher bits), each kind's scales -> bf16 pairs of
+// q * scale + low; `kind` a constant in each copy, as for `tile_int4`.
+static inline __attribute__((always_inline)) void widen_codes(const uint8_t *w, const GroupScales *gs, int64_t scales,
+                                                              int64_t k, uint16_t *out, int kind) {
     static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i order = _mm512_loadu_si512(interleave);
-    int kind = kind_of(gs);
     for (int64_t g = 0; g < k / GROUP; g++) {
-        __m512i high = gs->high ? _mm512_loadu_si512(gs->high + scales + g * 16) : _mm512_setzero_si512();
-        __m512i sixth = gs->sixth ? _mm512_loadu_si512(gs->sixth + scales + g * 16) : _mm512_setzero_si512();
+        __m512i high = planes_of(kind) > 0 ? _mm512_loadu_si512(gs->high + scales + g * 16) : _mm512_setzero_si512();
+        __m512i sixth = planes_of(kind) > 1 ? _mm512_loadu_si512(gs->sixth + scales + g * 16) : _mm512_setzero_si512();
+        __m512 s, m;
         for (int c = 0; c < GROUP / 8; c++) {
-            __m512 s, m;
-            scale_and_low(gs, kind, scales + g * 16, c / 2, &s, &m);  // the half only matters to Q6_K
+            if (c == 0 || (kind == Q6K && c == 2)) scale_and_low(gs, kind, scales + g * 16, c / 2, &s, &m);
             __m512i codes = _mm512_loadu_si512(w + (g * GROUP / 8 + c) * 64);
             for (int t = 0; t < 4; t++) {  // K steps 2t and 2t + 1 of the dword, as for `tile_int4`
                 __m512i pair = codes_at(kind, codes, high, sixth, c, t);
@@ -799,6 +800,16 @@ static void widen_int4_block(const uint8_t *w, const GroupScales *gs, int64_t sc
                 _mm512_storeu_si512(out + ((g * GROUP / 8 + c) * 4 + t) * 32, _mm512_permutexvar_epi16(order, halves));
             }
         }
+    }
+}
+
+static void widen_int4_block(const uint8_t *w, const GroupScales *gs, int64_t scales, int64_t k, uint16_t *out) {
+    switch (kind_of(gs)) {
+        case PLAIN: widen_codes(w, gs, scales, k, out, PLAIN); break;
+        case FIFTH: widen_codes(w, gs, scales, k, out, FIFTH); break;
+        case K_QUANT: widen_codes(w, gs, scales, k, out, K_QUANT); break;
+        case K_QUANT_FIFTH: widen_codes(w, gs, scales, k, out, K_QUANT_FIFTH); break;
+        default: widen_codes(w, gs, scales, k, out, Q6K);
     }
 }
 
