@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.backends.cpu import gguf_linear
-from slipstream.backends.cpu.gguf_linear import NativeQ4, NativeQ8
+from slipstream.backends.cpu.gguf_linear import NativeBlocks, NativeQ8
 from slipstream.backends.cpu.gguf_repack import K_QUANTS, file_blocks
 from slipstream.backends.cpu.linear import GemmPolicy
 from slipstream.layers.gguf_formats import block_format, dequantize_rows
@@ -38,7 +38,7 @@ def repacked(fmt: str, n: int, k: int, policy: GemmPolicy, seed: int = 0) -> tup
     layer = Linear(k, n, bias=False)
     attach_to(layer, GGUFWeight.from_blocks(fmt, blocks.clone(), k))
     layer.dtype = torch.bfloat16
-    layer.bind((NativeQ8 if fmt == "Q8_0" else NativeQ4)(policy, upcast=False))
+    layer.bind((NativeQ8 if fmt == "Q8_0" else NativeBlocks)(policy, upcast=False))
     return layer, blocks
 
 
@@ -108,8 +108,8 @@ def test_cpu_backend_repacks_single_format_layers_of_bf16_models(gemm_isa):
     from slipstream.backends.cpu.capability import CpuCapability
 
     backend = CpuBackend(CpuCapability.detect())
-    for fmt, method in [("Q4_0", NativeQ4), ("Q4_1", NativeQ4), ("Q5_0", NativeQ4), ("Q5_1", NativeQ4),
-                        ("Q4_K", NativeQ4), ("Q5_K", NativeQ4), ("Q6_K", NativeQ4), ("Q8_0", NativeQ8)]:
+    for fmt, method in [("Q4_0", NativeBlocks), ("Q4_1", NativeBlocks), ("Q5_0", NativeBlocks), ("Q5_1", NativeBlocks),
+                        ("Q4_K", NativeBlocks), ("Q5_K", NativeBlocks), ("Q6_K", NativeBlocks), ("Q8_0", NativeQ8)]:
         layer = Linear(256, 32, bias=False)
         attach_to(layer, GGUFWeight.from_blocks(fmt, random_blocks(fmt, 32, 256), 256))
         layer.dtype = torch.bfloat16
@@ -129,7 +129,7 @@ def test_a_layer_fused_from_two_formats_runs_each_part_on_its_own_kernel(gemm_is
                                         GGUFWeight.from_blocks("Q8_0", v.clone(), K)]))
     layer.dtype = torch.bfloat16
     layer.bind(CpuBackend(CpuCapability.detect()).linear_method(layer, "gguf"))
-    assert [type(part.method) for part in layer.parts] == [NativeQ4, NativeQ8]
+    assert [type(part.method) for part in layer.parts] == [NativeBlocks, NativeQ8]
     assert torch.equal(file_blocks(layer.parts[0]), qk) and torch.equal(file_blocks(layer.parts[1]), v)
     x = torch.randn(3, K).bfloat16()
     with torch.inference_mode():

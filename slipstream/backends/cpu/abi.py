@@ -61,6 +61,12 @@ class TurboQuantEncode(ctypes.Structure):
                 ("nbytes", I32), ("threads", I32)]
 
 
+class Blocks(ctypes.Structure):
+    """gemm.c: a GGUF format repacked on nibbles (backends/cpu/gguf_repack.py), its scales and planes; NULL
+    where the format has none."""
+    _fields_ = [("scale", P), ("low", P), ("high", P), ("sixth", P), ("group", P)]
+
+
 class Weight(ctypes.Structure):
     """decoder_layer.c: a linear layer's packed weight, of one of the weight kinds."""
     _fields_ = [("kind", I32), ("weight", P), ("scale", P), ("low", P), ("n", I64)]
@@ -138,15 +144,9 @@ class Kernels:
     gemm_bf16 = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int4 = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    # int4 with float16 scale and low (NULL: -8 scale), int8 with a float16 scale per group of 32 and column
-    gemm_q4 = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    # int8 with a float16 scale per group of 32 and column (GGUF's Q8_0 repacked); GGUF's formats on nibbles
     gemm_q8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    # q4 with a plane of fifth bits after low (low NULL: -16 scale)
-    gemm_q5 = Function("gemm", P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    # Q4_K / Q5_K: (x, w, d, dmin, fifth bits or NULL, group scales and minimums, y, m, n, k, threads)
-    gemm_qk = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    # Q6_K: (x, w, d, fifth bits, sixth bits, int8 scales per 16, y, m, n, k, threads)
-    gemm_q6k = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_blocks = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
     # 1 where built with AMX tiles and Linux lets this process use them, else 0 and the _amx calls return -1;
     # the same arguments as above; _silu: the weight is a fused [gate; up] and y [M, N/2] = silu(gate) * up
     gemm_amx_available = Function("gemm", restype=ctypes.c_int)
@@ -158,14 +158,8 @@ class Kernels:
     gemm_int8_amx_widened = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8_amx_widened_silu = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_q4_amx = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_q4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_q5_amx = Function("gemm", P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_q5_amx_silu = Function("gemm", P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_qk_amx = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_qk_amx_silu = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_q6k_amx = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_q6k_amx_silu = Function("gemm", P, P, P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_blocks_amx = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
+    gemm_blocks_amx_silu = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
     # (gate_up, act, tokens, width, threads): act [tokens, width] = silu(gate) * up, as the _silu epilogues round
     silu_and_mul_bf16 = Function("gemm", P, P, I64, I64, I32, restype=STATUS)
     moe_expert_available = Function("moe_expert", restype=ctypes.c_int)

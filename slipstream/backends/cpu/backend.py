@@ -21,7 +21,7 @@ from slipstream.backends.base import AttentionImpl
 from slipstream.backends.cpu.attention import dense_attention, dense_decode, turboquant_decode, turboquant_prefill
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
-from slipstream.backends.cpu.gguf_linear import (DEQUANTIZE_MIN_ROWS, NativeGGUF, NativeQ4, NativeQ8, Segmented,
+from slipstream.backends.cpu.gguf_linear import (DEQUANTIZE_MIN_ROWS, NativeGGUF, NativeBlocks, NativeQ8, Segmented,
                                                  repackable)
 from slipstream.backends.cpu.linear import (INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy,
                                             NativeBf16, NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
@@ -46,7 +46,7 @@ class CpuBackend(ReferenceBackend):
         upcast = not capability.amx  # without AMX, float32 GEMMs beat oneDNN's bf16 on large batches
         self.native = {None: NativeBf16(self.policy, upcast), "int8": NativeInt8(self.policy),
                        "int4": NativeInt4(self.policy)}
-        q4 = NativeQ4(self.policy, upcast)
+        q4 = NativeBlocks(self.policy, upcast)
         self.repacked = {**dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"), q4),
                          "Q8_0": NativeQ8(self.policy, upcast)}
         self.bf16 = OneDnnBf16(upcast) if torch.backends.mkldnn.is_available() else Upcast(upcast)

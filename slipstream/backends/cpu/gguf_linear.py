@@ -1,7 +1,7 @@
 """The CPU backend's methods for GGUF weights as stored: every format repacked for gemm.c's kernels
 where the model runs in bf16, kernels/gguf_gemm.c on the file's blocks otherwise.
 
-Each format becomes gemm.c's int4 weights (`NativeQ4`: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+Each format becomes gemm.c's int4 weights (`NativeBlocks`: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
 or its int8 quads (`NativeQ8`: Q8_0), with the file's own scales: the same values and (k-quants
 aside, whose 6-bit scales take a byte each: +2.8% for Q4_K) the same bytes per weight, moved once
 at load into the kernels' layout (16 columns side by side, so that one vector op applies a group's
@@ -147,10 +147,9 @@ class Repacked(LinearMethod):
         return dequantized(selected(layer, ids))
 
 
-class NativeQ4(NativeCodes, Repacked):
-    """Repacked Q4_0 / Q4_1 on gemm.c's int4 kernels with float16 scales (`gemm_q4*`), the decode stack's
-    too, wherever the GemmPolicy gives int4 one; Q5_0 / Q5_1 the same with their fifth bits (`gemm_q5*`),
-    not in the decode stack."""
+class NativeBlocks(NativeCodes, Repacked):
+    """GGUF's formats repacked on nibbles (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) on gemm.c's int4
+    kernels (`gemm_blocks*`) wherever the GemmPolicy gives int4 one; Q4_0 / Q4_1 in the decode stack too."""
 
     layout = "int4"
 
@@ -159,9 +158,9 @@ class NativeQ4(NativeCodes, Repacked):
         self.policy = policy
 
     def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
-        return native_matmul(x, layer.packed, layer.packed_scale, getattr(layer, "packed_low", None), kernel=kernel,
-                             silu=silu, high=getattr(layer, "packed_high", None),
-                             group=getattr(layer, "packed_group", None), sixth=getattr(layer, "packed_sixth", None))
+        pointer = lambda name: None if getattr(layer, name, None) is None else getattr(layer, name).data_ptr()  # noqa: E731
+        blocks = abi.Blocks(*(pointer("packed_" + f) for f in ("scale", "low", "high", "sixth", "group")))
+        return native_matmul(x, layer.packed, kernel=kernel, silu=silu, blocks=blocks)
 
     def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight | None:
         if hasattr(layer, "packed_high") or hasattr(layer, "packed_group"):  # the decode stack has Q4 only

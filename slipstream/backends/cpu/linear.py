@@ -278,39 +278,26 @@ def unpack_quads(packed: torch.Tensor) -> torch.Tensor:
 
 def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
                   low: torch.Tensor | None = None, kernel: str = "avx512", silu: bool = False,
-                  high: torch.Tensor | None = None, group: torch.Tensor | None = None,
-                  sixth: torch.Tensor | None = None) -> torch.Tensor:
+                  blocks: abi.Blocks | None = None) -> torch.Tensor:
     """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512", "amx"
     or, for int8, "amx_widened": see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8
     codes with a float32 `scale` per output column (`pack_quads`), or 4-bit codes with `scale`
-    and `low` per group and column (`NativeInt4._pack`); float16 scales are GGUF's repacked blocks:
-    4-bit codes with `low` (Q4_1) or without (Q4_0), with a plane of fifth bits `high` too (Q5_1, Q5_0),
-    int8 codes with a scale per group (Q8_0); k-quants' d and dmin as scale and low, each group's
-    6-bit scale and minimum in `group` (Q4_K; Q5_K with `high`); Q6_K's d as scale, its int8 scales per 16
-    in `group` and its fifth and sixth bits in `high` and `sixth`. With `silu` (AMX only) the weight is a fused [gate; up]
+    and `low` per group and column (`NativeInt4._pack`), int8 codes with a float16 scale per group (GGUF's
+    Q8_0 repacked), or GGUF's other formats repacked on nibbles as `blocks` describes them
+    (gguf_repack.py). With `silu` (AMX only) the weight is a fused [gate; up]
     projection and the result silu(gate) * up, [M, N/2]."""
     x = x.contiguous()
-    blocks, k = packed.shape[0], x.shape[1]
-    out = x.new_empty(x.shape[0], blocks * (8 if silu else 16))
+    columns, k = packed.shape[0] * 16, x.shape[1]
+    out = x.new_empty(x.shape[0], columns // 2 if silu else columns)
     lib = abi.kernels()
-    args = (out.data_ptr(), x.shape[0], blocks * 16, k, abi.threads())
+    args = (out.data_ptr(), x.shape[0], columns, k, abi.threads())
     suffix = ("" if kernel == "avx512" else "_" + kernel) + ("_silu" if silu else "")
     if packed.dtype == torch.bfloat16:
         status = getattr(lib, "gemm_bf16" + suffix)(x.data_ptr(), packed.data_ptr(), *args)
-    elif scale.dtype == torch.float16 and packed.dtype == torch.int8:  # GGUF's Q8_0 repacked (gguf_linear.py)
+    elif blocks is not None:
+        status = getattr(lib, "gemm_blocks" + suffix)(x.data_ptr(), packed.data_ptr(), blocks, *args)
+    elif scale.dtype == torch.float16:  # GGUF's Q8_0 repacked (gguf_linear.py)
         status = getattr(lib, "gemm_q8" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
-    elif sixth is not None:  # GGUF's Q6_K repacked
-        status = getattr(lib, "gemm_q6k" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), high.data_ptr(),
-                                                   sixth.data_ptr(), group.data_ptr(), *args)
-    elif group is not None:  # GGUF's Q4_K, Q5_K repacked
-        status = getattr(lib, "gemm_qk" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), low.data_ptr(),
-                                                  None if high is None else high.data_ptr(), group.data_ptr(), *args)
-    elif high is not None:  # GGUF's Q5_1, or Q5_0 (no low), repacked
-        status = getattr(lib, "gemm_q5" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
-                                                  None if low is None else low.data_ptr(), high.data_ptr(), *args)
-    elif scale.dtype == torch.float16:  # GGUF's Q4_1, or Q4_0 (no low), repacked
-        status = getattr(lib, "gemm_q4" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
-                                                  None if low is None else low.data_ptr(), *args)
     elif low is None:
         status = getattr(lib, "gemm_int8" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
     else:

@@ -25,6 +25,15 @@
 #include "bf16.h"
 #include "vector_math.h"
 
+// GGUF's formats repacked on nibbles (`gemm_blocks`, gguf_repack.py): float16 scale and low (NULL: -8
+// scale, or -16 with a plane of fifth bits), k-quants' group scales and minimums, Q6_K's int8 scales and
+// sixth bits
+typedef struct {
+    const uint16_t *scale, *low;
+    const uint32_t *high, *sixth;
+    const uint8_t *group;
+} Blocks;
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -305,14 +314,15 @@ int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, ui
 // total as sum * scale + (sum of the group's xq) * low. scale, low: [N/16][K/GROUP][16] float32,
 // or float16 (`gemm_q4`): GGUF's Q4_1 and Q4_0 repacked from a file's blocks keep their scales as
 // the file stores them, the same bytes per weight; Q4_0 has no low (NULL), which is -8 * scale.
-// `gemm_q5` (GGUF's Q5_0 / Q5_1 repacked) adds each code's fifth bit from a plane `high`, one dword
+// `gemm_blocks` takes every GGUF format repacked on nibbles (gguf_repack.py), described by a `Blocks`:
+// Q5_0 / Q5_1 add each code's fifth bit from a plane `high`, one dword
 // per group and column ([N/16][K/GROUP][16], the file's 4 bytes per block): bit p holds K step 2p of
 // the group, bit 16 + p step 2p + 1, so that rotating the dword right by p - 4 and masking with
 // 0x00100010 gives the fifth bits of pair p = 4c + t as the nibbles above give its low four. Q5_0
-// has no low: -16 * scale. `gemm_qk` (GGUF's Q4_K / Q5_K repacked; high NULL for Q4_K) takes its
+// has no low: -16 * scale. Q4_K / Q5_K (high NULL for Q4_K) take their
 // float16 d and dmin per 256 K steps and column as scale and low ([N/16][K/256][16]) and a group's 6-bit
 // scale and minimum from `group` ([N/16][K/GROUP][2][16] bytes): the group's scale d * sc and low
-// -dmin * mn, each exact in float32, as the format defines them. `gemm_q6k` (GGUF's Q6_K repacked)
+// -dmin * mn, each exact in float32, as the format defines them. Q6_K
 // adds a second plane, of sixth bits, and takes an int8 scale per 16 K steps and column from `group`
 // ([N/16][K/16][16]) times d per 256: each group's sums are flushed per half, times d * sc, plus the
 // half's sum of xq times -32 d sc. Sums of x are taken per 16 for that; a group's is their sum, exact.
@@ -503,26 +513,13 @@ int gemm_q4(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, c
     return int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
 }
 
-// gemm_q4 with a plane of fifth bits (low NULL: -16 * scale)
-int gemm_q5(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
-            const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    GroupScales gs = {scale, low, 1, high, NULL, NULL};
-    return int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
-}
+static GroupScales block_scales(const Blocks *b) { return (GroupScales){b->scale, b->low, 1, b->high, b->group, b->sixth}; }
 
-// Q6_K: d per 256 K steps, an int8 scale per 16 (group), fifth and sixth bits; -1 also when K % 256 is not zero
-int gemm_q6k(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high, const uint32_t *sixth,
-             const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    GroupScales gs = {d, NULL, 1, high, (const uint8_t *)group, sixth};
-    return k % 256 ? -1 : int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
-}
-
-// gemm_q5 for k-quants: d and dmin per 256 K steps (scale, low), a 6-bit scale and minimum per group;
-// -1 also when K % 256 is not zero
-int gemm_qk(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
-            const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    GroupScales gs = {d, dmin, 1, high, group, NULL};
-    return k % 256 ? -1 : int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
+// -1 also when K % 256 is not zero for the k-quants' and Q6_K's super-blocks
+int gemm_blocks(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
+                int64_t k, int threads) {
+    GroupScales gs = block_scales(b);
+    return b->group && k % 256 ? -1 : int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
 }
 // --- AMX tiles ------------------------------------------------------------------------------
 // The same products on AMX's tile unit, for the row counts where it wins (backends/cpu/linear.py):
@@ -925,39 +922,15 @@ int gemm_q4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t 
     return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 1}, y, m, n, k, threads, 1);
 }
 
-// the same with a plane of fifth bits, as gemm_q5
-int gemm_q5_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
-                const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 1, high}, y, m, n, k, threads, 0);
+// gemm_blocks on AMX tiles, as gemm_q4_amx
+int gemm_blocks_amx(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
+                    int64_t k, int threads) {
+    return b->group && k % 256 ? -1 : gemm_int4_tiles(x, w_packed, block_scales(b), y, m, n, k, threads, 0);
 }
 
-int gemm_q5_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
-                     const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 1, high}, y, m, n, k, threads, 1);
-}
-
-int gemm_q6k_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high,
-                 const uint32_t *sixth, const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    GroupScales gs = {d, NULL, 1, high, (const uint8_t *)group, sixth};
-    return k % 256 ? -1 : gemm_int4_tiles(x, w_packed, gs, y, m, n, k, threads, 0);
-}
-
-int gemm_q6k_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high,
-                      const uint32_t *sixth, const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k,
-                      int threads) {
-    GroupScales gs = {d, NULL, 1, high, (const uint8_t *)group, sixth};
-    return k % 256 ? -1 : gemm_int4_tiles(x, w_packed, gs, y, m, n, k, threads, 1);
-}
-
-int gemm_qk_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
-                const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    return k % 256 ? -1 : gemm_int4_tiles(x, w_packed, (GroupScales){d, dmin, 1, high, group, NULL}, y, m, n, k, threads, 0);
-}
-
-int gemm_qk_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
-                     const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k,
-                     int threads) {
-    return k % 256 ? -1 : gemm_int4_tiles(x, w_packed, (GroupScales){d, dmin, 1, high, group, NULL}, y, m, n, k, threads, 1);
+int gemm_blocks_amx_silu(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m,
+                         int64_t n, int64_t k, int threads) {
+    return b->group && k % 256 ? -1 : gemm_int4_tiles(x, w_packed, block_scales(b), y, m, n, k, threads, 1);
 }
 #endif
 #else
@@ -989,18 +962,8 @@ int gemm_q4(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, c
     return -1;
 }
 
-int gemm_q5(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
-            const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_qk(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
-            const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_q6k(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high, const uint32_t *sixth,
-             const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+int gemm_blocks(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
+                int64_t k, int threads) {
     return -1;
 }
 
@@ -1064,35 +1027,13 @@ int gemm_q4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t 
     return -1;
 }
 
-int gemm_q5_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
-                const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+int gemm_blocks_amx(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m,
+                    int64_t n, int64_t k, int threads) {
     return -1;
 }
 
-int gemm_q5_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
-                     const uint32_t *high, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_qk_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
-                const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_qk_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint16_t *dmin,
-                     const uint32_t *high, const uint8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k,
-                     int threads) {
-    return -1;
-}
-
-int gemm_q6k_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high,
-                 const uint32_t *sixth, const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_q6k_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *d, const uint32_t *high,
-                      const uint32_t *sixth, const int8_t *group, uint16_t *y, int64_t m, int64_t n, int64_t k,
-                      int threads) {
+int gemm_blocks_amx_silu(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m,
+                         int64_t n, int64_t k, int threads) {
     return -1;
 }
 #endif
