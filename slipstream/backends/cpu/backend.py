@@ -46,8 +46,8 @@ class CpuBackend(ReferenceBackend):
         upcast = not capability.amx  # without AMX, float32 GEMMs beat oneDNN's bf16 on large batches
         self.native = {None: NativeBf16(self.policy, upcast), "int8": NativeInt8(self.policy),
                        "int4": NativeInt4(self.policy)}
-        q4 = NativeBlocks(self.policy, upcast)
-        self.repacked = {**dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"), q4),
+        nibbles = NativeBlocks(self.policy, upcast)
+        self.repacked = {**dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"), nibbles),
                          "Q8_0": NativeQ8(self.policy, upcast)}
         self.bf16 = OneDnnBf16(upcast) if torch.backends.mkldnn.is_available() else Upcast(upcast)
         expert_kernel = ("amx" if capability.amx_kernels else "avx512") if capability.moe_expert else None
@@ -128,11 +128,11 @@ def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
 def _gguf_policy(cap: CpuCapability, native: bool) -> str:
     if not native:
         return "as stored, dequantized per call (torch)"
-    q4 = ("Q4_0/Q4_1 repacked for the int4 kernels above (and the decode stack), Q5_0/Q5_1/Q4_K/Q5_K/Q6_K for them "
-          "with planes of fifth and sixth bits and k-quant scales, Q8_0 for the int8 loops; fused layers per format; "
-          if cap.gemm else "")
-    return (f"as stored (quantization='gguf'): {q4}other formats on kernels/gguf_gemm.c below {DEQUANTIZE_MIN_ROWS} "
-            "rows, dequantized tiles on oneDNN above")
+    repacked = ("bf16 models' repacked for gemm.c: Q4_0/Q4_1 on the int4 kernels above (and the decode stack), "
+                "Q5_0/Q5_1/Q4_K/Q5_K/Q6_K on them with planes of higher bits and their own scales, Q8_0 on the int8 "
+                "loops, a fused layer per format; others " if cap.gemm else "")
+    return (f"as stored (quantization='gguf'): {repacked}on kernels/gguf_gemm.c below {DEQUANTIZE_MIN_ROWS} rows, "
+            "dequantized tiles on oneDNN above")
 
 
 def _decode_stack_policy(policy: GemmPolicy) -> str:

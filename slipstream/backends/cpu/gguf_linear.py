@@ -119,10 +119,9 @@ def repackable(layer: Linear) -> bool:
 
 
 class Repacked(LinearMethod):
-    """Q4_0, Q4_1 and Q8_0 blocks repacked for gemm.c's kernels, multiplied in plain torch: tiles of
-    rows dequantized to float32 as the torch twin computes them (d * q + m; Q4_0 d * (q - 8) and
-    Q8_0 d * q, both exact). The fallback of the native methods below, for rows their policy gives
-    no kernel; a tied embedding's rows."""
+    """Blocks repacked for gemm.c's kernels (gguf_repack.py), multiplied in plain torch: tiles of rows
+    dequantized to float32 as the torch twin computes them. The fallback of the native methods below,
+    for rows their policy gives no kernel; a tied embedding's rows."""
 
     name = "gguf"
 
