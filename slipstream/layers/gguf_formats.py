@@ -39,7 +39,7 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[B, n] bytes -> [B, 2n] codes: the n low nibbles, then the n high ones."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
@@ -51,15 +51,15 @@ def _bits(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
+    return _f16(b[:, :2]) * (nibbles(b[:, 2:]).to(torch.int8) - 8).float()
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return (_f16(b[:, :2]) * _nibbles(b[:, 4:]).float()) + _f16(b[:, 2:4])
+    return (_f16(b[:, :2]) * nibbles(b[:, 4:]).float()) + _f16(b[:, 2:4])
 
 
 def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
-    return _nibbles(qs) | (_bits(qh) << 4)
+    return nibbles(qs) | (_bits(qh) << 4)
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
@@ -94,11 +94,11 @@ def _k_groups(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     # each 32 bytes of codes hold two groups: low nibbles the first, high nibbles the second
-    return _k_groups(b, _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32))
+    return _k_groups(b, nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32))
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    low = _nibbles(b[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    low = nibbles(b[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
     # bit g of byte i of qh is the fifth bit of weight i of group g
     high = ((b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=b.device)[:, None]) & 1)
     return _k_groups(b, low | (high << 4))
@@ -106,7 +106,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
-    low = torch.cat([ql & 0x0F, ql >> 4], dim=-1).reshape(-1, 2, 4, 32)
+    low = nibbles(ql).reshape(-1, 2, 4, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)[:, None]
     high = (qh >> shifts) & 3
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(-1, 16, 16).float()

@@ -31,14 +31,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = abi.kernels() if _native(x, self.weight) else None
         if lib is not None:  # copying a strided x (q/k heads) costs less than torch's ops on it
-            return self._native(lib, x.contiguous())
+            return self._kernel(lib, x.contiguous())
         if self.cast_last:
             scale = self.weight.float() + 1.0 if self.unit_offset else self.weight.float()
             return (_normalized(x, self.eps) * scale).to(x.dtype)
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # one fused kernel, not five ops
         return self.weight * normed.to(x.dtype)
 
-    def _native(self, lib: abi.Kernels, x: torch.Tensor) -> torch.Tensor:
+    def _kernel(self, lib: abi.Kernels, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         args = (x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps)
         if self.cast_last:

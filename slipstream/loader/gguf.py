@@ -8,8 +8,7 @@ The metadata becomes an HF-style config dict that the model class parses like co
 The header is parsed by loader/gguf_reader.py. Quantized tensors are either kept as the file
 stores them (`as_stored`: a `GGUFWeight` of the file's blocks, read from the file one tensor at a
 time, for the block formats of layers/gguf_formats.py) or dequantized to float32 with the `gguf`
-package; 1-D tensors (norms)
-and formats without a block twin are always dequantized. llama.cpp's converter permutes the
+package; 1-D tensors (norms) and formats without a block twin are always dequantized. llama.cpp's converter permutes the
 rows of llama Q and K projections for its rope layout, and stores Gemma's norm weights as
 1 + weight; we undo both so the weights match the HF layout our model code uses. The row
 permutation moves whole rows, so on blocks it is exact (blocks run along K within a row).
@@ -24,8 +23,8 @@ import numpy as np
 import torch
 
 from slipstream.layers.gguf_formats import FORMATS
-from slipstream.loader.gguf_reader import GGUFReader, SkippedValue, TensorInfo
 from slipstream.layers.gguf_linear import GGUFWeight
+from slipstream.loader.gguf_reader import GGUFReader, SkippedValue, TensorInfo
 
 # GGUF key (after "<arch>.") -> HF config key; keys a file lacks are left out
 _CONFIG_KEYS = {

@@ -1,7 +1,8 @@
-"""GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 repacked at load for gemm.c's kernels (backends/cpu/gguf_linear.py).
+"""GGUF's block formats repacked at load for gemm.c's kernels (backends/cpu/gguf_linear.py, gguf_repack.py).
 
-The repacking is exact: the file's bytes come back, memory holds as many bytes as the file, and
-rows dequantize to the torch twin's values (a tied embedding reads them so). The kernels are
+The repacking is exact: the file's bytes come back, memory holds as many bytes as the file (k-quants'
+6-bit scales aside, a byte each), and rows dequantize to the torch twin's values (a tied embedding
+reads them so). The kernels are
 gemm.c's int4 and int8 loops and int4 AMX tiles with float16 scales, held to dequantize-then-multiply
 over every tile remainder within 2^-8 of |x| . |W| per output: one bf16 rounding of the output, and on
 AMX of each weight (2^-9 each), and 16-bit fixed-point activations (under 2^-15 of a row's largest).

@@ -21,8 +21,9 @@ from slipstream.backends.base import AttentionImpl
 from slipstream.backends.cpu.attention import dense_attention, dense_decode, turboquant_decode, turboquant_prefill
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
-from slipstream.backends.cpu.gguf_linear import (DEQUANTIZE_MIN_ROWS, NativeGGUF, NativeBlocks, NativeQ8, Segmented,
+from slipstream.backends.cpu.gguf_linear import (DEQUANTIZE_MIN_ROWS, NativeBlocks, NativeGGUF, NativeQ8, Segmented,
                                                  repackable)
+from slipstream.backends.cpu.gguf_repack import REPACKED
 from slipstream.backends.cpu.linear import (INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy,
                                             NativeBf16, NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
 from slipstream.backends.cpu.moe import UPCAST_MIN_TOKENS, CpuExperts
@@ -46,9 +47,8 @@ class CpuBackend(ReferenceBackend):
         upcast = not capability.amx  # without AMX, float32 GEMMs beat oneDNN's bf16 on large batches
         self.native = {None: NativeBf16(self.policy, upcast), "int8": NativeInt8(self.policy),
                        "int4": NativeInt4(self.policy)}
-        nibbles = NativeBlocks(self.policy, upcast)
-        self.repacked = {**dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"), nibbles),
-                         "Q8_0": NativeQ8(self.policy, upcast)}
+        q8, nibbles = NativeQ8(self.policy, upcast), NativeBlocks(self.policy, upcast)
+        self.repacked = {fmt: q8 if fmt == "Q8_0" else nibbles for fmt in REPACKED}
         self.bf16 = OneDnnBf16(upcast) if torch.backends.mkldnn.is_available() else Upcast(upcast)
         expert_kernel = ("amx" if capability.amx_kernels else "avx512") if capability.moe_expert else None
         self.experts = CpuExperts(expert_kernel, upcast, self.batch_invariant)

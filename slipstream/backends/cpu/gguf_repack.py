@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from slipstream.backends.cpu.linear import pack_nibbles, pack_quads, unpack_nibbles, unpack_quads
-from slipstream.layers.gguf_formats import k_scales
+from slipstream.layers.gguf_formats import k_scales, nibbles
 from slipstream.layers.gguf_linear import BlockRows
 
 HEADS = {"Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q5_1": 2, "Q8_0": 1}  # float16 values heading each block: d (and m)
@@ -50,7 +50,7 @@ def parse(rows: BlockRows) -> Parts:
     blocks = rows.data.view(n, -1, rows.fmt.type_size)
     if name == "Q6_K":  # halves of 128 weights: four groups of 32 each, low nibbles of 64 bytes, 2 bits of 32
         ql = blocks[..., :128].reshape(n, -1, 2, 64)
-        codes = torch.cat([ql & 15, ql >> 4], dim=-1).reshape(n, -1)
+        codes = nibbles(ql).reshape(n, -1)
         top = (blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
         fifth, sixth = (_words(b.reshape(n, -1, 32)) for b in (top & 1, top >> 1))
         return Parts(codes, blocks[..., 208:].contiguous().view(torch.float16)[..., 0], None, fifth,
@@ -63,13 +63,13 @@ def parse(rows: BlockRows) -> Parts:
             bits = (blocks[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
             fifth = _words(bits).reshape(n, -1)
         qs = blocks[..., 48 if fifth is not None else 16:].reshape(n, -1, 32)  # 32 bytes: two groups' nibbles
-        return Parts(torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, -1), heads[..., 0], heads[..., 1], fifth,
+        return Parts(nibbles(qs).reshape(n, -1), heads[..., 0], heads[..., 1], fifth,
                      torch.stack([sc, mn], dim=-1).reshape(n, -1, 2))
     heads = HEADS[name]
     scales = blocks[..., :2 * heads].contiguous().view(torch.float16)  # [N, groups, heads]
     fifth = blocks[..., 2 * heads:2 * heads + 4].contiguous().view(torch.int32)[..., 0] if name in FIFTH_BITS else None
     qs = blocks[..., 2 * heads + (0 if fifth is None else 4):]
-    codes = qs.contiguous().view(torch.int8) if name == "Q8_0" else torch.cat([qs & 15, qs >> 4], dim=-1)
+    codes = qs.contiguous().view(torch.int8) if name == "Q8_0" else nibbles(qs)
     return Parts(codes.reshape(n, -1), scales[..., 0], scales[..., 1] if heads == 2 else None, fifth)
 
 
