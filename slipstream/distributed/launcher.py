@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -100,7 +101,7 @@ class TensorParallel:
 
     def failure(self, error: BaseException) -> RuntimeError:
         """The error to raise for a collective that failed on rank 0; the other ranks are stopped."""
-        dead = [(rank, w.exitcode) for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        dead = self._dead_workers()
         self._stop_workers()
         if dead:
             ranks = ", ".join(f"rank {rank} (exit code {code})" for rank, code in dead)
@@ -125,6 +126,17 @@ class TensorParallel:
         if self.threads_before:
             torch.set_num_threads(self.threads_before)
             self.threads_before = 0
+
+    def _dead_workers(self, grace_s: float = 2.0) -> list[tuple[int, int | None]]:
+        """(rank, exit code) of the spawned workers that have exited. A killed worker's sockets close
+        while it is still exiting, so a peer's collective can fail before the process is reapable:
+        wait a moment for one to show as dead before concluding that none did."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [(rank, w.exitcode) for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+            if dead or not self.workers or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
 
     def _stop_workers(self) -> None:
         for worker in self.workers:
