@@ -47,6 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="ranks that split every layer: this process and N-1 it starts, or torchrun's N")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="with --tensor-parallel-size N: MoE experts split by expert, E/N per rank")
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="load no tokenizer: prompts must be token ids, outputs carry no text")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
@@ -61,7 +63,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, device=args.device, speculative_config=args.speculative_config,
         deterministic=args.deterministic, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel)
+        enable_expert_parallel=args.enable_expert_parallel, skip_tokenizer_init=args.skip_tokenizer_init)
 
 
 def _json_object(text: str) -> dict:

@@ -70,7 +70,7 @@ def small(tiny_llama):
     ([5, 6], SamplingParams(stop_token_ids=[400], min_tokens=1), "stop_token_ids: token id\\(s\\) \\[400\\] out of range"),
     ([5, 6], SamplingParams(logit_bias={384: 5.0}), "logit_bias: token id\\(s\\) \\[384\\] out of range"),
     ([5, 6], SamplingParams(allowed_token_ids=[3, 999]), "allowed_token_ids: token id\\(s\\) \\[999\\] out of range"),
-    ("text", None, "no tokenizer files"),
+    ("text", None, "no tokenizer is loaded"),
     ({"a": 1}, None, "prompt must be a string or a list of token ids"),
 ], ids=["longer-than-model", "plus-max-tokens", "cache-too-small", "empty", "bad-token", "bad-stop-token",
         "bad-bias-token", "bad-allowed-token", "no-tokenizer", "bad-type"])

@@ -41,16 +41,17 @@ class LoadedModel:
 
 
 def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: str | None = None,
-               widen: bool = False) -> LoadedModel:
+               widen: bool = False, tokenizer: bool = True) -> LoadedModel:
     """widen: a quantized GGUF file's tensors dequantized to `dtype` unless quantization="gguf" asks
-    for its blocks (a dtype was named); else they run as stored where the backend runs them natively."""
+    for its blocks (a dtype was named); else they run as stored where the backend runs them natively.
+    tokenizer=False: none is loaded (the engine then takes token ids only)."""
     device = backend.device
     if quantization and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on PyTorch's CPU kernels; "
                          f"device={device.type!r} is not supported (use device='cpu' or no quantization)")
     path = resolve_model_path(name)
     cfg, weights, quantization = _read(path, backend, quantization, widen)  # headers only: weights are read below
-    tokenizer = load_tokenizer(path)  # before the weights: its transient memory (Gemma 3's: ~730 MiB) never meets them
+    tokenizer = load_tokenizer(path) if tokenizer else None  # before the weights: its transient memory (Gemma 3's: ~730 MiB) never meets them
     config = config_from_hf(cfg)
     with _uninitialized():
         model = build_model(config)

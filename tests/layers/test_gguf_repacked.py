@@ -50,6 +50,9 @@ def test_repacking_is_exact_and_costs_no_bytes(fmt):
     assert torch.equal(file_blocks(layer), blocks)
     # k-quants keep each 6-bit scale and minimum in a byte: 16 bytes per 256 weights for the file's 12
     assert sum(b.nbytes for b in layer.buffers()) == blocks.nbytes + (48 * K // 256 * 4 if fmt in K_QUANTS else 0)
+    # where the layouts have the blocks' size, the buffers are laid over the blocks' own memory
+    storages = {b.untyped_storage().data_ptr() for b in layer.buffers()}
+    assert len(storages) == (len(list(layer.buffers())) if fmt in K_QUANTS else 1)
     ids = torch.tensor([47, 0, 17, 17, 16])
     assert torch.equal(layer.method.rows(layer, ids), dequantize_rows(block_format(fmt), blocks)[ids])
 

@@ -87,6 +87,21 @@ def test_weight_memory_is_the_file_s_size(smollm2_gguf):
     assert _weight_bytes(model) <= MEMORY_BOUND * GGUFFile(smollm2_gguf).tensor_bytes()
 
 
+def test_skip_tokenizer_init_takes_token_ids_and_decodes_the_same_tokens():
+    """No tokenizer is converted from the file: text prompts are refused naming the option, token-id
+    prompts give the tokens a tokenizer-equipped engine gives, with empty texts."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    bare = LLM("smollm2-135m", skip_tokenizer_init=True, kv_cache_memory=2**22)
+    assert bare.get_tokenizer() is None
+    with pytest.raises(ValueError, match="no tokenizer is loaded .*skip_tokenizer_init=True"):
+        bare.generate(["The capital of France is"], params, use_tqdm=False)
+    full = LLM("smollm2-135m", kv_cache_memory=2**22)
+    prompt = full.get_tokenizer()("The capital of France is").input_ids
+    out = bare.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out.text == ""
+
+
 def test_a_quantized_gguf_runs_as_stored_unless_a_dtype_is_named(smollm2_gguf, tiny_llama):
     """The default where the backend runs blocks natively (the CPU backend with its kernels; without
     them the torch twin would dequantize every call, so the file is widened); a named dtype widens."""

@@ -130,7 +130,7 @@ class Repacked(LinearMethod):
 
     def create(self, layer: Linear) -> None:
         (rows,) = segments(layer)
-        for name, tensor in repack(rows).items():
+        for name, tensor in repack(rows, in_place=True).items():  # the layer's blocks go with this method
             layer.register_buffer(name, tensor)
         del layer.blocks0
 

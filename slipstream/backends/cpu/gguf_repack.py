@@ -10,6 +10,7 @@ knows kernels or models.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -116,19 +117,46 @@ def _k_scale_bytes(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
                       (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], dim=-1)
 
 
-def repack(rows: BlockRows) -> dict[str, torch.Tensor]:
+def repack(rows: BlockRows, in_place: bool = False) -> dict[str, torch.Tensor]:
     """Blocks [N, row bytes] -> gemm.c's layouts: codes `packed` (nibbles [N/16, K/8, 16, 4]; Q8_0: int8
     quads [N/16, K/4, 16, 4]) and, each [N/16, ..., 16], float16 `packed_scale` and `packed_low` (Q4_1,
     Q5_1, k-quants), the planes of fifth and sixth bits `packed_high` and `packed_sixth` (int32; Q5_0,
     Q5_1, Q5_K, Q6_K) and `packed_group` (k-quants' [N/16, K/32, 2, 16] bytes, Q6_K's [N/16, K/16, 16]
-    int8). REPACK_ROWS rows at a time, so that repacking adds no more than the result to memory."""
-    n, out = rows.data.shape[0], {}
+    int8). REPACK_ROWS rows at a time, so that repacking adds no more than the result to memory.
+    in_place (the rows are the caller's to overwrite): where the result has the blocks' size (every
+    format but the k-quants), it takes their bytes, and loading a 178 MB LM head no longer holds it twice."""
+    n, out, over = rows.data.shape[0], {}, None
     for start in range(0, n, REPACK_ROWS):
-        for name, t in _repack_rows(BlockRows(rows.fmt, rows.data[start:start + REPACK_ROWS])).items():
-            if name not in out:
-                out[name] = t.new_empty(n // 16, *t.shape[1:])
+        chunk = _repack_rows(BlockRows(rows.fmt, rows.data[start:start + REPACK_ROWS]))
+        if not out:
+            shapes = {name: (t.dtype, (n // 16, *t.shape[1:])) for name, t in chunk.items()}
+            over = _laid_over(rows.data, shapes) if in_place else None
+            out = {name: over[name] if over and name == "packed" else torch.empty(shape, dtype=dtype)
+                   for name, (dtype, shape) in shapes.items()}
+        # the codes last: in place they overwrite this chunk's blocks, which must all have been read
+        for name, t in sorted(chunk.items(), key=lambda item: item[0] == "packed"):
             out[name][start // 16:start // 16 + t.shape[0]] = t
-    return out
+    if not over:
+        return out
+    for name, view in over.items():  # after the codes, now that no block is left to read
+        if name != "packed":
+            view.copy_(out[name])
+    return over
+
+
+def _laid_over(data: torch.Tensor, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict | None:
+    """Tensors of `shapes` end to end over `data`'s bytes, the codes first (the chunk of codes written
+    from a chunk of blocks then never reaches blocks not yet read: a row of codes is shorter than a row of
+    blocks); None where they do not fill exactly those bytes or `data` is not one contiguous run."""
+    sizes = {name: dtype.itemsize * math.prod(shape) for name, (dtype, shape) in shapes.items()}
+    if not data.is_contiguous() or sum(sizes.values()) != data.nbytes:
+        return None
+    flat, views, at = data.view(-1), {}, 0
+    for name in ["packed", *(name for name in shapes if name != "packed")]:
+        dtype, shape = shapes[name]
+        views[name] = flat[at:at + sizes[name]].view(dtype).view(shape)
+        at += sizes[name]
+    return views
 
 
 def _repack_rows(rows: BlockRows) -> dict[str, torch.Tensor]:
