@@ -57,6 +57,20 @@ def test_repacking_is_exact_and_costs_no_bytes(fmt):
     assert torch.equal(layer.method.rows(layer, ids), dequantize_rows(block_format(fmt), blocks)[ids])
 
 
+def test_a_shard_s_rows_are_repacked_into_memory_of_their_own():
+    """A tensor-parallel shard's rows are a view of the file's tensor: laid over them, the repacked layer
+    would keep the whole tensor alive; it gets memory of its own, and the tensor is left as it was."""
+    whole = random_blocks("Q8_0", 96, K, seed=3)
+    before = whole.clone()
+    layer = Linear(K, 48, bias=False)
+    attach_to(layer, GGUFWeight.from_blocks("Q8_0", whole[48:], K))
+    layer.dtype = torch.bfloat16
+    layer.bind(NativeQ8(GemmPolicy(amx=False, invariant=False), upcast=False))
+    assert torch.equal(whole, before)
+    assert whole.untyped_storage().data_ptr() not in {b.untyped_storage().data_ptr() for b in layer.buffers()}
+    assert torch.equal(file_blocks(layer), before[48:])
+
+
 @pytest.mark.parametrize("rows", [1, 4, 5, 9, 16, 17, 40, 130])  # int8: 6-row tiles; int4: 4; AMX: 16 and 32
 @pytest.mark.parametrize("out_features", [48, 176])  # 3 and 11 blocks of 16 columns: narrow last tiles
 @pytest.mark.parametrize("fmt", REPACKED)

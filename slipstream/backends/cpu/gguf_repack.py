@@ -147,9 +147,11 @@ def repack(rows: BlockRows, in_place: bool = False) -> dict[str, torch.Tensor]:
 def _laid_over(data: torch.Tensor, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict | None:
     """Tensors of `shapes` end to end over `data`'s bytes, the codes first (the chunk of codes written
     from a chunk of blocks then never reaches blocks not yet read: a row of codes is shorter than a row of
-    blocks); None where they do not fill exactly those bytes or `data` is not one contiguous run."""
+    blocks); None where they do not fill exactly those bytes, or `data` is not the whole of its memory (a
+    tensor-parallel shard's rows: views of the file's tensor would keep all of it)."""
     sizes = {name: dtype.itemsize * math.prod(shape) for name, (dtype, shape) in shapes.items()}
-    if not data.is_contiguous() or sum(sizes.values()) != data.nbytes:
+    whole = data.is_contiguous() and data.untyped_storage().nbytes() == data.nbytes
+    if not whole or sum(sizes.values()) != data.nbytes:
         return None
     flat, views, at = data.view(-1), {}, 0
     for name in ["packed", *(name for name in shapes if name != "packed")]:
