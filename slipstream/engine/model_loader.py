@@ -51,7 +51,8 @@ def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: st
                          f"device={device.type!r} is not supported (use device='cpu' or no quantization)")
     path = resolve_model_path(name)
     cfg, weights, quantization = _read(path, backend, quantization, widen)  # headers only: weights are read below
-    tokenizer = load_tokenizer(path) if tokenizer else None  # before the weights: its transient memory (Gemma 3's: ~730 MiB) never meets them
+    # before the weights: the tokenizer's transient memory (Gemma 3's: ~730 MiB) never meets them
+    tokenizer = load_tokenizer(path) if tokenizer else None
     config = config_from_hf(cfg)
     with _uninitialized():
         model = build_model(config)
