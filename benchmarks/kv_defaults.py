@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from kv_quality import SHAPES
-from slipstream import LLM, SamplingParams
+from kv_quality import SHAPES, next_token_scores
+from slipstream import LLM
 from slipstream.engine import engine
 from slipstream.kvcache.cache import KVCache
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
@@ -106,30 +106,6 @@ def evaluate(model: str, kv_dtype: str, ids: list[int]) -> tuple[torch.Tensor, t
               enable_prefix_caching=False, max_model_len=len(ids) + 8,
               kv_cache_memory=(len(ids) + 64) * per_token + 2**22, skip_tokenizer_init=True)
     return next_token_scores(llm, ids, kl_positions or len(ids) - 1)
-
-
-def next_token_scores(llm: LLM, ids: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each next token's negative log-likelihood [n-1], log-softmax rows of the last `keep` positions
-    [keep, vocab]), taken chunk by chunk as the engine computes the prompt's logits."""
-    model, nll, kept, seen = llm.engine.runner.model, [], [], [0]
-    targets, first_kept = torch.tensor(ids[1:] + [0]), len(ids) - 1 - keep
-    original = model.compute_logits
-
-    def scored(hidden: torch.Tensor) -> torch.Tensor:
-        logits = original(hidden)
-        start, rows = seen[0], logits.float().log_softmax(-1)
-        seen[0] += len(rows)
-        nll.append(-rows.gather(1, targets[start:start + len(rows)].unsqueeze(1)).squeeze(1))
-        if start + len(rows) > first_kept:
-            kept.append(rows[max(first_kept - start, 0):])
-        return logits
-
-    model.compute_logits = scored
-    try:
-        llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    finally:
-        model.compute_logits = original
-    return torch.cat(nll)[:len(ids) - 1], torch.cat(kept)[:keep]
 
 
 def bytes_per_token(model: str, kv_dtype: str, context: int) -> float:

@@ -44,25 +44,36 @@ def english_text() -> str:
     return "\n\n".join(inspect.getdoc(m) or "" for m in (a, collections, json, logging, pathlib, subprocess, unittest))
 
 
-def next_token_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Log-softmax rows [len(ids)-1, vocab] for positions 0..n-2, computed chunk by chunk."""
-    model, rows = llm.engine.runner.model, []
+def next_token_scores(llm: LLM, ids: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each next token's negative log-likelihood [n-1], log-softmax rows of the last `keep` positions
+    [keep, vocab]), taken chunk by chunk as the engine computes the prompt's logits."""
+    model, nll, kept, seen = llm.engine.runner.model, [], [], [0]
+    targets, first_kept = torch.tensor(ids[1:] + [0]), len(ids) - 1 - keep
     original = model.compute_logits
-    model.compute_logits = lambda hidden: rows.append(original(hidden)) or rows[-1]
+
+    def scored(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden)
+        start, rows = seen[0], logits.float().log_softmax(-1)
+        seen[0] += len(rows)
+        nll.append(-rows.gather(1, targets[start:start + len(rows)].unsqueeze(1)).squeeze(1))
+        if start + len(rows) > first_kept:
+            kept.append(rows[max(first_kept - start, 0):])
+        return logits
+
+    model.compute_logits = scored
     try:
         llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     finally:
         model.compute_logits = original
-    return torch.cat(rows)[: len(ids) - 1].log_softmax(-1)
+    return torch.cat(nll)[:len(ids) - 1], torch.cat(kept)[:keep]
 
 
 def quality(kv_dtype: str, dense_layers: int, recent: int, sinks: int, ids: list[int],
             reference: torch.Tensor | None):
     llm = LLM("smollm2-135m", dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_dense_layers=dense_layers,
               kv_cache_recent_tokens=recent, kv_cache_sink_tokens=sinks, max_num_seqs=4, max_num_batched_tokens=CHUNK, enable_prefix_caching=False)
-    logprobs = next_token_logprobs(llm, ids)
-    targets = torch.tensor(ids[1:]).unsqueeze(1)
-    ppl = math.exp(-logprobs.gather(1, targets).mean().item())
+    nll, logprobs = next_token_scores(llm, ids, len(ids) - 1)
+    ppl = math.exp(nll.mean().item())
     kl = 0.0 if reference is None else (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
     return llm, logprobs, ppl, kl
 

@@ -41,10 +41,10 @@ class LoadedModel:
 
 
 def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: str | None = None,
-               widen: bool = False, tokenizer: bool = True) -> LoadedModel:
+               widen: bool = False, skip_tokenizer: bool = False) -> LoadedModel:
     """widen: a quantized GGUF file's tensors dequantized to `dtype` unless quantization="gguf" asks
     for its blocks (a dtype was named); else they run as stored where the backend runs them natively.
-    tokenizer=False: none is loaded (the engine then takes token ids only)."""
+    skip_tokenizer: none is loaded (the engine then takes token ids only)."""
     device = backend.device
     if quantization and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on PyTorch's CPU kernels; "
@@ -52,7 +52,7 @@ def load_model(name: str, dtype: torch.dtype, backend: Backend, quantization: st
     path = resolve_model_path(name)
     cfg, weights, quantization = _read(path, backend, quantization, widen)  # headers only: weights are read below
     # before the weights: the tokenizer's transient memory (Gemma 3's: ~730 MiB) never meets them
-    tokenizer = load_tokenizer(path) if tokenizer else None
+    tokenizer = None if skip_tokenizer else load_tokenizer(path)
     config = config_from_hf(cfg)
     with _uninitialized():
         model = build_model(config)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from slipstream.loader.tokenizer import NO_TOKENIZER
 from slipstream.sampling_params import SamplingParams
 
 
@@ -75,8 +76,7 @@ class InputProcessor:
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("no tokenizer is loaded (the model has no tokenizer files, or "
-                                 "skip_tokenizer_init=True); pass the prompt as a list of token ids")
+                raise ValueError(f"{NO_TOKENIZER}; pass the prompt as a list of token ids")
             self.check_text_length(len(prompt))
             token_ids, text = self.tokenizer(prompt).input_ids, prompt
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import warnings
 
+NO_TOKENIZER = "no tokenizer is loaded (the model has no tokenizer files, or skip_tokenizer_init=True)"
+
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer

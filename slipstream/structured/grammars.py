@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from slipstream.loader.tokenizer import NO_TOKENIZER
 from slipstream.structured.params import StructuredOutputsParams
 from slipstream.structured.schema import check_schema
 
@@ -56,8 +57,7 @@ class GrammarCompiler:
     def validate(self, spec: StructuredOutputsParams) -> xgr.Grammar:
         """The spec's grammar; ValueError naming the problem if it is invalid or cannot be enforced."""
         if self.tokenizer is None:
-            raise ValueError("structured_outputs: no tokenizer is loaded (the model has no tokenizer files, or "
-                             "skip_tokenizer_init=True), so its tokens cannot be matched against a grammar")
+            raise ValueError(f"structured_outputs: {NO_TOKENIZER}, so its tokens cannot be matched against a grammar")
         with self._lock:
             grammar = _touch(self._grammars, spec.key)
         if grammar is None:

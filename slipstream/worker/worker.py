@@ -38,7 +38,7 @@ def build_worker(config: EngineConfig, kv_cache_tokens: int | None = None) -> Wo
     dtype = resolve_dtype(config.dtype, device)
     backend = select_backend(device, config.deterministic)
     loaded = load_model(config.model, dtype, backend, config.quantization, widen=config.dtype != "auto",
-                        tokenizer=not config.skip_tokenizer_init)
+                        skip_tokenizer=config.skip_tokenizer_init)
     positions = loaded.config.max_position_embeddings
     max_model_len = min(config.max_model_len or positions, positions)
     kv_cache = _allocate_kv_cache(config, loaded, backend, dtype, kv_cache_tokens, max_model_len)
