@@ -178,8 +178,8 @@ def test_deterministic_covers_repacked_blocks_and_names_the_others():
     capability = CpuCapability.detect()
     if not capability.gemm:
         pytest.skip("deterministic=True needs gemm.c's invariant kernels, which this build lacks")
-    for model in ("smollm2-135m", "gemma3-270m"):
-        engine = LLM(model, deterministic=True, kv_cache_memory=2**20).engine
+    for model in ("smollm2-135m", "gemma3-270m"):  # bf16 asked: the default is float32 on a CPU without bf16
+        engine = LLM(model, dtype="bfloat16", quantization="gguf", deterministic=True, kv_cache_memory=2**20).engine
         assert engine.quantization == "gguf" and engine.backend.batch_invariant, model
     holder = torch.nn.Module()
     holder.proj = Linear(256, 40, bias=False)  # 40 rows: not whole blocks of 16 columns
