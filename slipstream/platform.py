@@ -1,9 +1,9 @@
-"""Which device to run on and which compute dtype it does natively."""
+"""Which device to run on and which compute dtype: the one asked for, or the backend's (`default_dtype`)."""
 from __future__ import annotations
 
 import torch
 
-from slipstream.backends.cpu.build import cpu_flags
+from slipstream.backends.base import Backend
 from slipstream.config import DTYPES
 
 
@@ -19,10 +19,5 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # AVX512-BF16 or AMX: native bf16 arithmetic, so decode reads half the bytes of fp32
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
+def resolve_dtype(name: str, backend: Backend) -> torch.dtype:
+    return DTYPES[name] if name != "auto" else backend.default_dtype

@@ -37,6 +37,11 @@ class Backend:
     def __init__(self, device: torch.device):
         self.device = device
 
+    @property
+    def default_dtype(self) -> torch.dtype:
+        """The model dtype that dtype='auto' means here."""
+        return torch.float32
+
     # --- what a backend provides ---------------------------------------------------------
     def linear_method(self, layer: Linear, fmt: str | None) -> LinearMethod:
         """The method for a loaded layer whose weight format is `fmt` (None: as loaded, or a

@@ -35,8 +35,8 @@ def build_worker(config: EngineConfig, kv_cache_tokens: int | None = None) -> Wo
     """kv_cache_tokens: a cache of that many tokens in place of kv_cache_memory (a draft model's)."""
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
     backend = select_backend(device, config.deterministic)
+    dtype = resolve_dtype(config.dtype, backend)
     loaded = load_model(config.model, dtype, backend, config.quantization, widen=config.dtype != "auto",
                         skip_tokenizer=config.skip_tokenizer_init)
     positions = loaded.config.max_position_embeddings

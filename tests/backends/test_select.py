@@ -116,3 +116,23 @@ def test_info_prints_the_backend_of_this_machine():
     lines = out.stdout.splitlines()
     backend = CpuBackend(CpuCapability.detect())
     assert backend.describe() == [line for line in lines if not line.startswith(("torch ", "tensor parallel: "))]
+
+
+NO_BF16 = AVX512_FLAGS - {"avx512_bf16"}  # AVX-512 with VNNI but no bf16 arithmetic (a cpu model 207 here)
+
+
+@pytest.mark.parametrize("flags,kernels,dtype", [
+    (AMX_FLAGS, build("native", True, True), torch.bfloat16),
+    (AVX512_FLAGS, None, torch.bfloat16),                       # torch's own bf16 kernels use the dot products
+    (NO_BF16, build("native", True, False), torch.bfloat16),    # gemm.c widens bf16 weights in registers
+    (NO_BF16, build("x86-64-v3", False, False), torch.float32),
+    (NO_BF16, None, torch.float32),
+], ids=["amx", "avx512-bf16-torch", "avx512-no-bf16", "avx2-no-bf16", "torch-no-bf16"])
+def test_auto_dtype_is_bf16_where_the_cpu_or_gemm_c_computes_it(flags, kernels, dtype):
+    from slipstream.platform import resolve_dtype
+
+    backend = CpuBackend(CpuCapability(frozenset(flags), kernels, "native", "" if kernels else "SLIPSTREAM_NATIVE=0"))
+    assert resolve_dtype("auto", backend) == backend.default_dtype == dtype
+    assert resolve_dtype("float32", backend) == torch.float32
+    dtype_line = next(line for line in backend.describe() if line.startswith("dtype auto: "))
+    assert dtype_line.startswith("dtype auto: " + str(dtype).removeprefix("torch."))

@@ -5,7 +5,8 @@ The repacking is exact: the file's bytes come back, memory holds as many bytes a
 reads them so). The kernels are
 gemm.c's int4 and int8 loops and int4 AMX tiles with float16 scales, held to dequantize-then-multiply
 over every tile remainder within 2^-8 of |x| . |W| per output: one bf16 rounding of the output, and on
-AMX of each weight (2^-9 each), and 16-bit fixed-point activations (under 2^-15 of a row's largest).
+AMX of each weight (2^-9 each), and 16-bit fixed-point activations (under 2^-15 of the largest of their
+group of 32 in the row).
 """
 from __future__ import annotations
 
@@ -81,6 +82,27 @@ def test_repacked_gemm_equals_dequantize_then_multiply(kernel, fmt, rows, out_fe
         out = layer(x)
     assert out.dtype == torch.bfloat16
     check(out, x, dequantize_rows(block_format(fmt), blocks))
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])  # gemm_q8's loops and the int4 loops
+def test_a_huge_channel_costs_only_its_own_group_precision(kernel, fmt):  # noqa: F811
+    """Gemma 3's activations have channels hundreds of times the rest. Fixed point per row would round every
+    other channel to steps of that size (about 1 here); per group of 32 only the outlier's group is coarse.
+    Its group's weights are zero, so the product is the other groups' alone, to the usual tolerance."""
+    blocks = random_blocks(fmt, 48, K, seed=5)
+    blocks[:, 2:block_format(fmt).type_size] = 0 if fmt == "Q8_0" else 0x88  # the first block of each row: w = 0
+    layer = Linear(K, 48, bias=False)
+    attach_to(layer, GGUFWeight.from_blocks(fmt, blocks.clone(), K))
+    layer.dtype = torch.bfloat16
+    layer.bind((NativeQ8 if fmt == "Q8_0" else NativeBlocks)(kernel, upcast=False))
+    x = torch.randn(4, K)
+    x[:, 0] = 30000.0
+    x = x.bfloat16()
+    with torch.inference_mode():
+        out = layer(x)
+    w = dequantize_rows(block_format(fmt), blocks)
+    assert (w[:, :32] == 0).all()
+    check(out, x, w)
 
 
 @pytest.mark.parametrize("rows", [1, 40])

@@ -45,6 +45,11 @@ class CpuCapability:
         return {"amx_bf16", "amx_tile"} <= self.flags
 
     @property
+    def bf16_arithmetic(self) -> bool:
+        """The CPU multiplies bf16 itself (AVX-512 BF16 dot products, AMX tiles)."""
+        return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+
+    @property
     def gemm(self) -> bool:
         """kernels/gemm.c has a path for this build (AVX-512)."""
         return self.kernels is not None and self.kernels.gemm_bf16_available() == 1

@@ -36,6 +36,10 @@ class CudaBackend(ReferenceBackend):
         super().__init__(device)
         self.triton = importlib.util.find_spec("triton") is not None
 
+    @property
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
     def attention(self, cache) -> AttentionImpl:
         if not self.triton:
             return super().attention(cache)

@@ -162,7 +162,9 @@ int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, in
 // --- int8: w = q * scale per output column ------------------------------------------------
 // Integer arithmetic: each row of x becomes 16-bit fixed point (x = xq * row_scale, |xq| <=
 // 32767: an error below 1/65534 of the row's largest value, far under bf16's own rounding of
-// x), and `vpdpwssd` multiplies pairs of 16-bit activations and sign-extended codes into
+// x unless one channel dwarfs the rest; the kernels that flush per group, gemm_q8 and int4,
+// take a scale per group of the row instead), and `vpdpwssd` multiplies pairs of 16-bit
+// activations and sign-extended codes into
 // int32 sums: two ops per 32 multiply-adds, where widening codes to float32 took six. Codes
 // are packed [N/16][K/4][16 columns][4]: four K steps per column in the order k0 k2 k1 k3, 64
 // bytes per quad step. Shifting each 16-bit half left and back (arithmetic) gives the
@@ -181,29 +183,33 @@ static inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) { return _mm5
 static inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 #endif
 
-// x / row_scale rounded to nearest even, 16 values at a time (as lrintf rounds one); the scalar
-// loop this replaced (fmaxf, lrintf) cost ~6 ns per value, the whole GEMM at 16 columns.
-static int16_t *fixed_point_rows(const uint16_t *x, int64_t m, int64_t k, float *row_scale) {
+// x / scale rounded to nearest even, 16 values at a time (as lrintf rounds one), a scale per `group`
+// consecutive values of a row (group divides k; k: one per row); the scalar loop this replaced
+// (fmaxf, lrintf) cost ~6 ns per value, the whole GEMM at 16 columns. Per row, Gemma 3's
+// activations (a few channels hundreds of times the rest) lost 0.6% perplexity against bf16.
+static int16_t *fixed_point_rows(const uint16_t *x, int64_t m, int64_t k, int64_t group, float *scale) {
     int16_t *xq = malloc(sizeof(int16_t) * m * k);
-    for (int64_t i = 0; xq && i < m; i++) {
-        const uint16_t *row = x + i * k;
+    for (int64_t r = 0; xq && r < m * (k / group); r++) {
+        const uint16_t *in = x + r * group;
+        int16_t *out = xq + r * group;
         __m512 largest = _mm512_setzero_ps();
         int64_t c = 0;
-        for (; c + 16 <= k; c += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(widen16(row + c)));
+        for (; c + 16 <= group; c += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(widen16(in + c)));
         float top = _mm512_reduce_max_ps(largest);
-        for (; c < k; c++) top = fmaxf(top, fabsf(bf16_to_float(row[c])));
-        row_scale[i] = top > 0.f ? top / 32767.f : 1.f;
-        float inverse = 1.f / row_scale[i];
-        for (c = 0; c + 16 <= k; c += 16) {
-            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(row + c), _mm512_set1_ps(inverse)));
-            _mm256_storeu_si256((__m256i *)(xq + i * k + c), _mm512_cvtepi32_epi16(q));
+        for (; c < group; c++) top = fmaxf(top, fabsf(bf16_to_float(in[c])));
+        scale[r] = top > 0.f ? top / 32767.f : 1.f;
+        float inverse = 1.f / scale[r];
+        for (c = 0; c + 16 <= group; c += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(in + c), _mm512_set1_ps(inverse)));
+            _mm256_storeu_si256((__m256i *)(out + c), _mm512_cvtepi32_epi16(q));
         }
-        for (; c < k; c++) xq[i * k + c] = (int16_t)lrintf(bf16_to_float(row[c]) * inverse);
+        for (; c < group; c++) out[c] = (int16_t)lrintf(bf16_to_float(in[c]) * inverse);
     }
     return xq;
 }
 
-// scale: per column (float32), or with group_scale per group and column (float16; scale NULL)
+// scale: per column (float32), row_scale per row; or with group_scale per group and column (float16; scale
+// NULL), row_scale per group of the row
 static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, const float *row_scale, int64_t k,
                                                             const int8_t *w, const float *scale,
                                                             const uint16_t *group_scale, uint16_t *y, int64_t n,
@@ -234,16 +240,18 @@ static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, c
         for (int j = 0; j < nr && group_scale; j++) {
             const uint16_t *g = group_scale + (j * groups + first / (Q8_GROUP / 2)) * 16;
             __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
-            for (int i = 0; i < mr; i++) total[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), s, total[i][j]);
+            for (int i = 0; i < mr; i++) {
+                __m512 x_scale = _mm512_set1_ps(row_scale[i * groups + first / (Q8_GROUP / 2)]);
+                total[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_mul_ps(s, x_scale), total[i][j]);
+            }
         }
         for (int i = 0; i < mr && !group_scale; i++)
             for (int j = 0; j < nr; j++) total[i][j] = _mm512_add_ps(total[i][j], _mm512_cvtepi32_ps(acc[i][j]));
     }
-    for (int j = 0; j < nr; j++) {
-        __m512 s = group_scale ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(scale + 16 * j);
+    for (int j = 0; j < nr; j++)
         for (int i = 0; i < mr; i++)
-            store_bf16(y + i * n + 16 * j, _mm512_mul_ps(total[i][j], opaque(_mm512_mul_ps(s, _mm512_set1_ps(row_scale[i])))));
-    }
+            store_bf16(y + i * n + 16 * j, group_scale ? total[i][j] : _mm512_mul_ps(total[i][j],
+                       opaque(_mm512_mul_ps(_mm512_loadu_ps(scale + 16 * j), _mm512_set1_ps(row_scale[i])))));
 }
 
 static inline __attribute__((always_inline)) void column_tile_int8(const int16_t *xq, const float *row_scale,
@@ -251,7 +259,9 @@ static inline __attribute__((always_inline)) void column_tile_int8(const int16_t
                                                                    const float *scale, const uint16_t *group_scale,
                                                                    uint16_t *y, int64_t n, int nr) {
     int64_t i = 0;
-#define TILE_INT8(rows, cols) tile_int8(xq + i * k, row_scale + i, k, w, scale, group_scale, y + i * n, n, rows, cols)
+    int64_t scales = group_scale ? k / Q8_GROUP : 1;  // of x per row
+#define TILE_INT8(rows, cols) \
+    tile_int8(xq + i * k, row_scale + i * scales, k, w, scale, group_scale, y + i * n, n, rows, cols)
     if (nr != NR) {  // a thread's last, narrower tile: row by row, its width a constant
         for (; i < m; i++) switch (nr) {
             case 3: TILE_INT8(1, 3); break;
@@ -273,8 +283,9 @@ static inline __attribute__((always_inline)) void column_tile_int8(const int16_t
 
 static int int8_gemm(const uint16_t *x, const int8_t *w_packed, const float *scale, const uint16_t *group_scale,
                      uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    float *row_scale = n % 16 || k % (group_scale ? Q8_GROUP : 4) ? NULL : malloc(sizeof(float) * m);
-    int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
+    int64_t group = group_scale ? Q8_GROUP : k;
+    float *row_scale = n % 16 || k % (group_scale ? Q8_GROUP : 4) ? NULL : malloc(sizeof(float) * m * (k / group));
+    int16_t *xq = row_scale ? fixed_point_rows(x, m, k, group, row_scale) : NULL;
     if (!xq) {
         free(row_scale);
         return -1;
@@ -311,8 +322,8 @@ int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, ui
 // nibbles in the order k0 k2 k4 k6 k1 k3 k5 k7, so that (dword >> 4t) & 0x000F000F is the pair
 // of 16-bit codes for steps 2t and 2t+1, ready for `vpdpwssd`: three ops per 32 multiply-adds,
 // where widening nibbles to float32 took seven. Per group, the int32 sums of xq * q join the
-// total as sum * scale + (sum of the group's xq) * low. scale, low: [N/16][K/GROUP][16] float32,
-// or float16 (`gemm_q4`): GGUF's Q4_1 and Q4_0 repacked from a file's blocks keep their scales as
+// total as (sum * scale + (sum of the group's xq) * low) * the group's scale of x. scale, low:
+// [N/16][K/GROUP][16] float32, or float16 (`gemm_q4`): GGUF's Q4_1 and Q4_0 repacked from a file's blocks keep their scales as
 // the file stores them, the same bytes per weight; Q4_0 has no low (NULL), which is -8 * scale.
 // `gemm_blocks` takes every GGUF format repacked on nibbles (gguf_repack.py), described by a `Blocks`:
 // Q5_0 / Q5_1 add each code's fifth bit from a plane `high`, one dword
@@ -389,8 +400,8 @@ static inline void scale_and_low(const GroupScales *gs, int kind, int64_t at, in
     *m = gs->low ? scales16(gs->low, gs->half, at) : _mm512_mul_ps(*s, _mm512_set1_ps(kind == FIFTH ? -16.0f : -8.0f));
 }
 
-// scales: the first of this tile's 16-column block in gs
-static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, const float *row_scale,
+// scales: the first of this tile's 16-column block in gs; x_scale: x's per group, row after row
+static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, const float *x_scale,
                                                             const float *xsum, int64_t k, const uint8_t *w,
                                                             const GroupScales *gs, int64_t scales, uint16_t *y,
                                                             int64_t n, int mr, int nr, int kind) {
@@ -428,48 +439,50 @@ static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, c
                 scale_and_low(gs, kind, scales + (j * groups + g) * 16, h, &s, &m);
                 for (int i = 0; i < mr; i++) {
                     const float *x16 = xsum + i * 2 * groups + 2 * g;  // the group's sums of xq per 16
-                    float xs = halves == 2 ? x16[h] : x16[0] + x16[1];
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs), m,
-                                                _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[i][j]), s, acc[i][j]));
+                    float xs = halves == 2 ? x16[h] : x16[0] + x16[1], unit = x_scale[i * groups + g];
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs * unit), m,
+                                                _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[i][j]),
+                                                                _mm512_mul_ps(s, _mm512_set1_ps(unit)), acc[i][j]));
                 }
             }
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) store_bf16(y + i * n + 16 * j, _mm512_mul_ps(acc[i][j], _mm512_set1_ps(row_scale[i])));
+        for (int j = 0; j < nr; j++) store_bf16(y + i * n + 16 * j, acc[i][j]);
 }
 
-static inline __attribute__((always_inline)) void column_tile_int4(const int16_t *xq, const float *row_scale,
+static inline __attribute__((always_inline)) void column_tile_int4(const int16_t *xq, const float *x_scale,
                                                                    const float *xsum, int64_t m, int64_t k,
                                                                    const uint8_t *w, const GroupScales *gs,
                                                                    int64_t scales, uint16_t *y, int64_t n, int nr,
                                                                    int kind) {
     int64_t i = 0, groups = k / GROUP;
+#define TILE_INT4(rows, cols) \
+    tile_int4(xq + i * k, x_scale + i * groups, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, rows, cols, kind)
     if (nr == NR4)
-        for (; i + MR4 <= m; i += MR4)
-            tile_int4(xq + i * k, row_scale + i, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, MR4, NR4, kind);
+        for (; i + MR4 <= m; i += MR4) TILE_INT4(MR4, NR4);
     for (; i < m; i++) {  // constant widths keep the sums in registers
-        const int16_t *xr = xq + i * k;
         if (nr == 2 * NR4)
-            tile_int4(xr, row_scale + i, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, 1, 2 * NR4, kind);
+            TILE_INT4(1, 2 * NR4);
         else if (nr == 3)
-            tile_int4(xr, row_scale + i, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, 1, 3, kind);
+            TILE_INT4(1, 3);
         else if (nr == NR4)
-            tile_int4(xr, row_scale + i, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, 1, NR4, kind);
+            TILE_INT4(1, NR4);
         else
-            tile_int4(xr, row_scale + i, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, 1, 1, kind);
+            TILE_INT4(1, 1);
     }
+#undef TILE_INT4
 }
 
 static int int4_gemm(const uint16_t *x, const uint8_t *w_packed, const GroupScales *gs, uint16_t *y, int64_t m,
                      int64_t n, int64_t k, int threads) {
-    float *row_scale = n % 16 || k % GROUP ? NULL : malloc(sizeof(float) * m * (1 + 2 * k / GROUP));
-    int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
+    float *x_scale = n % 16 || k % GROUP ? NULL : malloc(sizeof(float) * m * 3 * (k / GROUP));
+    int16_t *xq = x_scale ? fixed_point_rows(x, m, k, GROUP, x_scale) : NULL;
     if (!xq) {
-        free(row_scale);
+        free(x_scale);
         return -1;
     }
-    float *xsum = row_scale + m;
+    float *xsum = x_scale + m * (k / GROUP);
     for (int64_t r = 0; r < m * (2 * k / GROUP); r++) {  // per 16: exact integers in float32
         int32_t total = 0;
         for (int t = 0; t < GROUP / 2; t++) total += xq[r * GROUP / 2 + t];
@@ -482,7 +495,7 @@ static int int4_gemm(const uint16_t *x, const uint8_t *w_packed, const GroupScal
         thread_blocks(n / 16, &begin, &end);
         for (int64_t b = begin; b < end; b += width) {
 #define COLUMN_TILE(kind)                                                                                          \
-    column_tile_int4(xq, row_scale, xsum, m, k, w_packed + b * 8 * k, gs, b * 16 * (k / GROUP), y + b * 16, n, \
+    column_tile_int4(xq, x_scale, xsum, m, k, w_packed + b * 8 * k, gs, b * 16 * (k / GROUP), y + b * 16, n, \
                      end - b < width ? (int)(end - b) : width, kind)
             switch (kind_of(gs)) {
                 case PLAIN: COLUMN_TILE(PLAIN); break;
@@ -495,7 +508,7 @@ static int int4_gemm(const uint16_t *x, const uint8_t *w_packed, const GroupScal
         }
     }
     free(xq);
-    free(row_scale);
+    free(x_scale);
     return 0;
 }
 
@@ -723,7 +736,7 @@ static void split_bytes(const int16_t *xq, int64_t count, int8_t *hi, uint8_t *l
 static int gemm_int8_split(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
                            int64_t n, int64_t k, int threads, int silu) {
     float *row_scale = malloc(sizeof(float) * m);
-    int16_t *xq = row_scale ? fixed_point_rows(x, m, k, row_scale) : NULL;
+    int16_t *xq = row_scale ? fixed_point_rows(x, m, k, k, row_scale) : NULL;
     int8_t *hi = xq ? malloc(2 * m * k) : NULL;
     if (!hi) {
         free(xq);
