@@ -95,12 +95,13 @@ def test_the_backend_binds_the_kernel_to_bf16_caches_only(isa, deterministic):
 CHUNKINGS = [[70], [33, 37], [16, 16, 38], [5] + [1] * 65]  # the last: a 5-token chunk, then 65 decodes
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256)])  # SmolLM2's GQA, Gemma 3's MQA
 @pytest.mark.parametrize("window", [None, 20])
-def test_a_tokens_attention_does_not_depend_on_how_its_prompt_was_chunked(isa, window):
+def test_a_tokens_attention_does_not_depend_on_how_its_prompt_was_chunked(isa, window, heads, kv_heads, dim):
     """70 tokens written and attended in chunks of any size, or one at a time as decode rows: each
     token's output the same bits every time, and within bf16's error of the torch prefill."""
     torch.manual_seed(0)
-    n, heads, kv_heads, dim, block_size = 70, 9, 3, 64, 16
+    n, block_size = 70, 16
     q, k, v = (torch.randn(n, h, dim).bfloat16() for h in (heads, kv_heads, kv_heads))
     table = torch.randperm(8)[:5]  # shuffled blocks, as after frees and reuse
     slots = table[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
