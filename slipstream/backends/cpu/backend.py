@@ -59,9 +59,7 @@ class CpuBackend(ReferenceBackend):
 
     @property
     def default_dtype(self) -> torch.dtype:
-        """bf16 where the CPU multiplies it or gemm.c reads it (widening in registers: decode then reads half
-        float32's bytes); float32 where torch alone would emulate bf16 arithmetic."""
-        return torch.bfloat16 if self.capability.bf16_arithmetic or self.capability.gemm else torch.float32
+        return _default_dtype(self.capability)[0]
 
     def attention(self, cache) -> AttentionImpl:
         if self.capability.kernels is not None:
@@ -107,8 +105,9 @@ class CpuBackend(ReferenceBackend):
     def describe(self) -> list[str]:
         cap, native = self.capability, self.capability.kernels is not None
         prefill = "paged_attention.c for every query" if self.batch_invariant else "native decode kernels"
+        dtype, why = _default_dtype(cap)
         return [f"backend {self.name}: {cap.summary()}",
-                "dtype auto: " + _default_dtype(cap),
+                f"dtype auto: {str(dtype).removeprefix('torch.')} ({why})",
                 "attention: " + (f"{prefill} on bf16 caches; TurboQuant codes natively for decode and prefill over a "
                                  "cached prefix; torch for other prefill" if native else "torch"),
                 "linear: " + _linear_policy(cap, self.policy),
@@ -118,12 +117,14 @@ class CpuBackend(ReferenceBackend):
                 "batch invariance: " + _invariance(cap, self.batch_invariant)]
 
 
-def _default_dtype(cap: CpuCapability) -> str:
+def _default_dtype(cap: CpuCapability) -> tuple[torch.dtype, str]:
+    """bf16 where the CPU multiplies it or gemm.c reads it (widening in registers: decode then reads half
+    float32's bytes); float32 where torch alone would emulate bf16 arithmetic. With the reason."""
     if cap.bf16_arithmetic:
-        return "bfloat16 (the CPU's bf16 arithmetic)"
+        return torch.bfloat16, "the CPU's bf16 arithmetic"
     if cap.gemm:
-        return "bfloat16 (gemm.c widens bf16 weights in registers; the CPU has no bf16 arithmetic)"
-    return "float32 (no bf16 arithmetic, no native GEMMs)"
+        return torch.bfloat16, "gemm.c widens bf16 weights in registers; the CPU has no bf16 arithmetic"
+    return torch.float32, "no bf16 arithmetic, no native GEMMs"
 
 
 def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:

@@ -164,8 +164,8 @@ int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, in
 // 32767: an error below 1/65534 of the row's largest value, far under bf16's own rounding of
 // x unless one channel dwarfs the rest; the kernels that flush per group, gemm_q8 and int4,
 // take a scale per group of the row instead), and `vpdpwssd` multiplies pairs of 16-bit
-// activations and sign-extended codes into
-// int32 sums: two ops per 32 multiply-adds, where widening codes to float32 took six. Codes
+// activations and sign-extended codes into int32 sums: two ops per 32 multiply-adds, where
+// widening codes to float32 took six. Codes
 // are packed [N/16][K/4][16 columns][4]: four K steps per column in the order k0 k2 k1 k3, 64
 // bytes per quad step. Shifting each 16-bit half left and back (arithmetic) gives the
 // sign-extended pair (k0, k1), shifting it right gives (k2, k3); the same bytes are AMX's
@@ -186,7 +186,7 @@ static inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) { return _mm5
 // x / scale rounded to nearest even, 16 values at a time (as lrintf rounds one), a scale per `group`
 // consecutive values of a row (group divides k; k: one per row); the scalar loop this replaced
 // (fmaxf, lrintf) cost ~6 ns per value, the whole GEMM at 16 columns. Per row, Gemma 3's
-// activations (a few channels hundreds of times the rest) lost 0.6% perplexity against bf16.
+// activations (a few channels hundreds of times the rest) cost twice the perplexity against float32.
 static int16_t *fixed_point_rows(const uint16_t *x, int64_t m, int64_t k, int64_t group, float *scale) {
     int16_t *xq = malloc(sizeof(int16_t) * m * k);
     for (int64_t r = 0; xq && r < m * (k / group); r++) {
@@ -323,8 +323,9 @@ int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, ui
 // of 16-bit codes for steps 2t and 2t+1, ready for `vpdpwssd`: three ops per 32 multiply-adds,
 // where widening nibbles to float32 took seven. Per group, the int32 sums of xq * q join the
 // total as (sum * scale + (sum of the group's xq) * low) * the group's scale of x. scale, low:
-// [N/16][K/GROUP][16] float32, or float16 (`gemm_q4`): GGUF's Q4_1 and Q4_0 repacked from a file's blocks keep their scales as
-// the file stores them, the same bytes per weight; Q4_0 has no low (NULL), which is -8 * scale.
+// [N/16][K/GROUP][16] float32, or float16 (`gemm_q4`): GGUF's Q4_1 and Q4_0 repacked from a
+// file's blocks keep their scales as the file stores them, the same bytes per weight; Q4_0 has
+// no low (NULL), which is -8 * scale.
 // `gemm_blocks` takes every GGUF format repacked on nibbles (gguf_repack.py), described by a `Blocks`:
 // Q5_0 / Q5_1 add each code's fifth bit from a plane `high`, one dword
 // per group and column ([N/16][K/GROUP][16], the file's 4 bytes per block): bit p holds K step 2p of
