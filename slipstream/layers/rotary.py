@@ -32,9 +32,9 @@ class RotaryEmbedding(nn.Module):
         """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their own dtype."""
         cos, sin = self.tables(positions)
         lib = abi.kernels() if _native(q, k) else None
-        if lib is not None:  # in place: q and k are views of a fresh QKV projection
-            lib.rotary_bf16(q.data_ptr(), k.data_ptr(), q.stride(0), q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-                            cos.data_ptr(), sin.data_ptr(), abi.threads())
+        if lib is not None:  # in place: q and k are views of a fresh QKV projection, or their norms' outputs
+            lib.rotary_bf16(q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), q.shape[0], q.shape[1], k.shape[1],
+                            q.shape[2], cos.data_ptr(), sin.data_ptr(), abi.threads())
             return q, k
         qk = _rotate(torch.cat([q, k], dim=1), cos[:, None], sin[:, None])  # one pass over both: half the ops
         return qk.split([q.shape[1], k.shape[1]], dim=1)
@@ -48,9 +48,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def _native(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """bf16 CPU views sharing one token stride (any, for one token), heads packed within a token."""
+    """bf16 CPU tensors whose heads lie packed within a token."""
     return (q.dtype == k.dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_grad_enabled()
-            and (q.shape[0] == 1 or q.stride(0) == k.stride(0)) and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1))
+            and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

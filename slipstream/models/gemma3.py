@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
@@ -81,6 +82,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    decode_stack: Callable[[torch.Tensor, torch.Tensor], bool] | None = None  # as LlamaModel's
+
     def __init__(self, config: Gemma3Config):
         super().__init__()
         rotary = {
@@ -94,6 +97,8 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = scaled_embedding(self.embed_tokens, input_ids, self.embed_scale)
+        if self.decode_stack is not None and self.decode_stack(positions, x):
+            return self.norm(x)
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)

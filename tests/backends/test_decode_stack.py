@@ -8,11 +8,15 @@ import torch
 from slipstream import LLM, SamplingParams
 from slipstream.backends.cpu.decode_stack import DecodeStack
 from tests.conftest import build_tiny_checkpoint, random_prompts
+from tests.models.test_gemma3 import build_tiny_gemma3
 
-# bf16 on both sides; the paths round every intermediate alike, SiLU included (gemm.c's
-# silu_and_mul_bf16), and run the same GEMM kernel for a given number of tokens
+# bf16 on both sides; the paths round every intermediate alike, SiLU and GELU included (gemm.c's
+# silu_and_mul_bf16 / gelu_tanh_and_mul_bf16), and run the same GEMM kernel for a given number of tokens
 # (backends/cpu/linear.py's GemmPolicy): the logprobs are the same bits (batch invariance).
-CASES = [("llama", 4, None), ("llama", 1, None), ("llama", 2, "int8"), ("llama", 2, "int4"), ("mistral", 2, None)]
+# qwen3: per-head q/k norms; gemma3: Gemma's norms (unit offset, the blocks' outputs normalised too), GELU,
+# two rotary bases, sliding windows on 2 layers of 3 (shorter than the sequences), MQA
+CASES = [("llama", 4, None), ("llama", 1, None), ("llama", 2, "int8"), ("llama", 2, "int4"), ("mistral", 2, None),
+         ("qwen3", 2, None), ("gemma3", 1, None), ("gemma3", 2, "int4")]
 # TurboQuant caches: the codes written and read by turboquant_encode.c / turboquant_attention.c from inside the
 # stack, and the 16-bit window (6 newest, 2 first tokens: shorter than the sequences) staged there
 TURBOQUANT = [("llama", 2, None, "tq3"), ("llama", 1, "int8", "tq4"), ("mistral", 4, None, "tq-k4v2-qjl")]
@@ -48,7 +52,10 @@ def test_native_decode_matches_the_per_kernel_path(gemm_isa, tmp_path, monkeypat
                                                     sequences):
     # mistral: a sliding window shorter than the sequences, so the window rule is exercised
     overrides = {"sliding_window": 12} if family == "mistral" else {}
-    path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=num_kv_heads, seed=3, **overrides)
+    if family == "gemma3":
+        path = build_tiny_gemma3(str(tmp_path), num_kv_heads=num_kv_heads, seed=3)
+    else:
+        path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=num_kv_heads, seed=3, **overrides)
     prompts = random_prompts(sequences, 3, 20, seed=2)  # ragged lengths: different positions and block tables per row
     calls = _count_calls(monkeypatch)
     llm, tokens, logprobs = _generate(path, quantization, prompts, block_size=4)
@@ -60,9 +67,8 @@ def test_native_decode_matches_the_per_kernel_path(gemm_isa, tmp_path, monkeypat
     assert torch.equal(logprobs, expected_logprobs)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q/k/v biases, per-head q/k norms
-def test_layers_the_kernel_does_not_cover_keep_the_torch_path(gemm_isa, tmp_path, monkeypatch, family):
-    path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=2)
+def test_layers_the_kernel_does_not_cover_keep_the_torch_path(gemm_isa, tmp_path, monkeypatch):
+    path = build_tiny_checkpoint(str(tmp_path), "qwen2", num_kv_heads=2)  # q/k/v biases
     calls = _count_calls(monkeypatch)
     llm, tokens, _ = _generate(path, None, random_prompts(2, 3, 8, seed=1))
     assert calls[0] == 0 and all(len(t) == 10 for t in tokens)
@@ -135,15 +141,17 @@ def test_smollm2_native_decode_matches_transformers(gemm_isa, smollm2_reference,
         assert difference <= SMOLLM2_DECODE_TOLERANCE[quantization], difference
 
 
-@pytest.mark.parametrize("sequences", SEQUENCES)
-def test_native_decode_of_gguf_blocks_matches_the_per_kernel_path(gemm_isa, monkeypatch, sequences):
-    """The bundled SmolLM2 as stored: its Q4_1 layers repacked for gemm.c's int4 kernels (the q4 kind)."""
+@pytest.mark.parametrize("sequences", [1, *SEQUENCES])  # 1: the segments' parts write into the output directly
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_native_decode_of_gguf_blocks_matches_the_per_kernel_path(gemm_isa, monkeypatch, model, sequences):
+    """The bundled models as stored: SmolLM2's Q4_1 and Gemma 3's Q5_0, Q4_K, Q6_K and Q8_0 layers repacked
+    for gemm.c's int4 and int8 kernels (the blocks and q8 kinds), Gemma's q/k (Q5_0) and v (Q8_0) projection
+    fused from two formats (segments)."""
     prompts = random_prompts(sequences, 3, 20, seed=2)
     calls = _count_calls(monkeypatch)
-    llm, tokens, logprobs = _generate("smollm2-135m", "gguf", prompts, block_size=4, kv_cache_memory=2**24)
+    llm, tokens, logprobs = _generate(model, "gguf", prompts, block_size=4, kv_cache_memory=2**24)
     assert calls[0] == 9
     monkeypatch.setattr(DecodeStack, "described", lambda self: None)
-    _, expected_tokens, expected_logprobs = _generate("smollm2-135m", "gguf", prompts, block_size=4,
-                                                      kv_cache_memory=2**24)
+    _, expected_tokens, expected_logprobs = _generate(model, "gguf", prompts, block_size=4, kv_cache_memory=2**24)
     assert tokens == expected_tokens
     assert torch.equal(logprobs, expected_logprobs)

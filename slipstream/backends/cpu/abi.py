@@ -69,7 +69,7 @@ class Blocks(ctypes.Structure):
 
 class Weight(ctypes.Structure):
     """decoder_layer.c: a linear layer's packed weight, of one of the weight kinds."""
-    _fields_ = [("kind", I32), ("weight", P), ("scale", P), ("low", P), ("n", I64)]
+    _fields_ = [("kind", I32), ("parts", I32), ("weight", P), ("scale", P), ("low", P), ("blocks", P), ("n", I64)]
 
 
 class TurboQuantLayer(ctypes.Structure):
@@ -79,18 +79,19 @@ class TurboQuantLayer(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """decoder_layer.c: one llama-family decoder layer bound to its KV cache."""
-    _fields_ = [("input_norm", P), ("post_attention_norm", P), ("qkv", Weight), ("o", Weight),
-                ("gate_up", Weight), ("down", Weight), ("turboquant", ctypes.POINTER(TurboQuantLayer)),
-                ("k_cache", P), ("v_cache", P), ("num_blocks", I64),
+    """decoder_layer.c: one llama-family or Gemma 3 decoder layer bound to its KV cache."""
+    _fields_ = [("input_norm", P), ("mlp_norm", P), ("attention_out_norm", P), ("mlp_out_norm", P), ("q_norm", P),
+                ("k_norm", P), ("qkv", Weight), ("o", Weight), ("gate_up", Weight), ("down", Weight),
+                ("turboquant", ctypes.POINTER(TurboQuantLayer)), ("k_cache", P), ("v_cache", P), ("num_blocks", I64),
                 ("window", I64), ("block_size", I32), ("q_heads", I32), ("kv_heads", I32), ("head_dim", I32),
-                ("hidden", I32), ("intermediate", I32), ("eps", F32), ("scale", F32)]
+                ("hidden", I32), ("intermediate", I32), ("unit_offset", I32), ("gelu", I32), ("rope", I32),
+                ("eps", F32), ("scale", F32)]
 
 
 class Step(ctypes.Structure):
     """decoder_layer.c: what every layer of a decode step shares."""
     _fields_ = [("tokens", I64), ("slots", P), ("block_tables", P), ("context_lens", P),
-                ("cos", P), ("sin", P), ("max_blocks", I32), ("threads", I32), ("amx", I32 * 4)]
+                ("cos", P * 2), ("sin", P * 2), ("max_blocks", I32), ("threads", I32), ("amx", I32 * 5)]
 
 
 # each mirror and the kernel that exports its C size (`sizeof_<name>`), checked when a build loads
@@ -123,7 +124,7 @@ class Kernels:
     # (x, weight, out, rows, dim, eps, offset, threads): scaled by weight + offset in float32, rounded once
     rms_norm_cast_last_bf16 = Function("norm", P, P, P, I64, I32, F32, F32, I32)
     # (q, k, token stride, tokens, q_heads, k_heads, dim, cos [tokens, dim / 2], sin, threads)
-    rotary_bf16 = Function("rotary", P, P, I64, I64, I32, I32, I32, P, P, I32)
+    rotary_bf16 = Function("rotary", P, P, I64, I64, I64, I32, I32, I32, P, P, I32)
     # (k, v, k_cache, v_cache, slots, tokens, token stride, heads, dim, num_slots)
     cache_write_bf16 = Function("cache_write", P, P, P, P, P, I64, I64, I32, I32, I64)
     # (layer, batch, q, out)
@@ -160,8 +161,10 @@ class Kernels:
     gemm_int4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks_amx = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks_amx_silu = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
-    # (gate_up, act, tokens, width, threads): act [tokens, width] = silu(gate) * up, as the _silu epilogues round
+    # (gate_up, act, tokens, width, threads): act [tokens, width] = silu(gate) * up, as the _silu epilogues round;
+    # gelu(gate) * up (tanh approximation) rounded alike
     silu_and_mul_bf16 = Function("gemm", P, P, I64, I64, I32, restype=STATUS)
+    gelu_tanh_and_mul_bf16 = Function("gemm", P, P, I64, I64, I32, restype=STATUS)
     moe_expert_available = Function("moe_expert", restype=ctypes.c_int)
     moe_expert_amx_available = Function("moe_expert", restype=ctypes.c_int)
     # (x, tokens, weights, m, gate_up, down, out, hidden, intermediate, threads)
@@ -186,7 +189,9 @@ class Kernels:
     weight_kind_bf16 = Constant("decoder_layer")
     weight_kind_int8 = Constant("decoder_layer")
     weight_kind_int4 = Constant("decoder_layer")
-    weight_kind_q4 = Constant("decoder_layer")
+    weight_kind_blocks = Constant("decoder_layer")
+    weight_kind_q8 = Constant("decoder_layer")
+    weight_kind_segments = Constant("decoder_layer")
 
     def __init__(self, isa: str, libraries: dict[str, ctypes.CDLL]):
         self.isa = isa

@@ -144,7 +144,7 @@ def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
 def _gguf_policy(cap: CpuCapability, native: bool) -> str:
     if not native:
         return "as stored, dequantized per call (torch)"
-    repacked = ("bf16 models' repacked for gemm.c: Q4_0/Q4_1 on the int4 kernels above (and the decode stack), "
+    repacked = ("bf16 models' repacked for gemm.c (and the decode stack): Q4_0/Q4_1 on the int4 kernels above, "
                 "Q5_0/Q5_1/Q4_K/Q5_K/Q6_K on them with planes of higher bits and their own scales, Q8_0 on the int8 "
                 "loops, a fused layer per format; others " if cap.gemm else "")
     return (f"as stored (quantization='gguf'): {repacked}on kernels/gguf_gemm.c below {DEQUANTIZE_MIN_ROWS} rows, "

@@ -1,4 +1,4 @@
-"""Decode steps through all llama-family decoder layers in one native call (kernels/decoder_layer.c).
+"""Decode steps through all llama-family or Gemma 3 decoder layers in one native call (kernels/decoder_layer.c).
 
 At one token per sequence a layer's arithmetic takes microseconds, and the torch path's
 Python (module calls, per-kernel ctypes conversions, tensor allocations) cost more than
@@ -7,12 +7,15 @@ once (packed weights, norms, KV caches, shapes); each step then costs one call, 
 description of the step (positions, slots, block tables) built once from its metadata.
 
 It serves steps where every token decodes (no prefill chunk), up to the policy's bound on tokens,
-in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8
-or int4), no biases, no q/k norms, a SiLU MLP and a dense bf16 KV cache or a calibrated
-TurboQuant cache (whose 16-bit window, if any, is staged in bf16; the C code calls the
-TurboQuant kernels, and the window's placement is decided here once per step); anything else
-returns None and takes the torch path, which stays the reference this one is tested against.
-The GEMMs take the kernels the backend's GemmPolicy picks for the step's number of tokens.
+in bf16 on the CPU, for models whose every layer has native packed projections (bf16, int8,
+int4, or a GGUF's blocks as stored, a projection fused from two formats included), no biases,
+per-head q/k norms or none, norms all of one form (llama's, or Gemma 3's unit offset, its norms
+of each block's output included), a SiLU or GELU-tanh MLP, at most two rotary bases (Gemma's
+local and global) and a dense bf16 KV cache or a calibrated TurboQuant cache (whose 16-bit
+window, if any, is staged in bf16; the C code calls the TurboQuant kernels, and the window's
+placement is decided here once per step); anything else returns None and takes the torch path,
+which stays the reference this one is tested against. The GEMMs take the kernels the backend's
+GemmPolicy picks for the step's number of tokens (Q8_0 has one, the AVX-512 loops).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.recent_window import Staging
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache, native_encoder
 from slipstream.layers.linear import Linear
+from slipstream.layers.mlp import gelu_tanh
 
 
 def packed_weight(linear: nn.Module, lib: abi.Kernels) -> abi.Weight | None:
@@ -41,18 +45,30 @@ def packed_weight(linear: nn.Module, lib: abi.Kernels) -> abi.Weight | None:
     return linear.method.weight_struct(linear, lib)
 
 
-def _layer(layer: nn.Module, lib: abi.Kernels) -> tuple[abi.Layer, abi.TurboQuantLayer | None] | None:
-    """The C description of a llama decoder layer (input_layernorm, self_attn,
-    post_attention_layernorm, gated mlp) bound to its KV cache (and, for a TurboQuant cache, its own
-    description, which the layer points to), or None if it does not fit."""
+def _norms(layer: nn.Module) -> list[nn.Module | None]:
+    """The layer's norms in decoder_layer.c's order: before attention, before the MLP, of the attention's
+    and the MLP's outputs (Gemma 3's sandwich; None in llama's layer), of each q and k head (or None)."""
+    attn = layer.self_attn
+    heads = [attn.q_norm, attn.k_norm] if attn.qk_norm == "head" else [None, None]
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: post_attention_layernorm is of the output
+        return [layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
+                layer.post_feedforward_layernorm, *heads]
+    return [layer.input_layernorm, layer.post_attention_layernorm, None, None, *heads]
+
+
+def _layer(layer: nn.Module, lib: abi.Kernels, rope: int) -> tuple[abi.Layer, abi.TurboQuantLayer | None] | None:
+    """The C description of a llama or Gemma 3 decoder layer bound to its KV cache (and, for a TurboQuant cache,
+    its own description, which the layer points to), or None if it does not fit."""
     attn, mlp = layer.self_attn, layer.mlp
     cache = attn.attn.kv_cache
     projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
     weights = [packed_weight(m, lib) for m in projections]
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if (None in weights or attn.qk_norm or getattr(mlp, "act", None) is not F.silu
-            or any(w.dtype != torch.bfloat16 for w in norms)
-            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
+    norms = _norms(layer)
+    present = [n for n in norms if n is not None]
+    forms = {(n.eps, n.unit_offset, n.cast_last, n.weight.dtype) for n in present}  # one form, llama's or Gemma 3's
+    if (None in weights or rope > 1 or attn.qk_norm not in (None, "head") or attn.clip_qkv is not None
+            or getattr(mlp, "act", None) not in (F.silu, gelu_tanh) or len(forms) > 1
+            or present[0].cast_last != present[0].unit_offset or present[0].weight.dtype != torch.bfloat16):
         return None
     turboquant = _turboquant_layer(attn.attn, cache, lib) if isinstance(cache, TurboQuantLayerCache) else None
     if turboquant is None and not _dense_bf16(cache, attn.attn.num_heads, lib):
@@ -63,10 +79,11 @@ def _layer(layer: nn.Module, lib: abi.Kernels) -> tuple[abi.Layer, abi.TurboQuan
     else:
         (num_blocks, block_size, heads, _), head_dim = cache.k.shape, cache.key_mean.shape[1]
         k_cache = v_cache = None
-    return abi.Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights,
+    return abi.Layer(*(None if n is None else n.weight.data_ptr() for n in norms), *weights,
                      None if turboquant is None else ctypes.pointer(turboquant), k_cache, v_cache,
                      num_blocks, attn.attn.sliding_window or 0, block_size, attn.attn.num_heads, heads, head_dim,
-                     norms[0].shape[0], weights[2].n // 2, layer.input_layernorm.eps, attn.attn.scale), turboquant
+                     present[0].weight.shape[0], weights[2].n // 2, present[0].unit_offset, mlp.act is gelu_tanh, rope,
+                     present[0].eps, attn.attn.scale), turboquant
 
 
 def _dense_bf16(cache, num_heads: int, lib: abi.Kernels) -> bool:
@@ -111,13 +128,14 @@ class DecodeStack:
 
     def __init__(self, layers: nn.ModuleList, policy: GemmPolicy):
         self.layers, self.policy = layers, policy
+        self.rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in layers}.values())
         self._built: _Described | None = None
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Runs every layer on x in place and returns True when the step is one the stack
         serves; False (x untouched) sends it down the torch path."""
         layers = self.described()
-        step = None if layers is None else decode_step(positions, x, self.layers[0].self_attn.rotary, self.policy)
+        step = None if layers is None else decode_step(positions, x, self.rotaries, self.policy)
         if step is None:
             return False
         for staging in self._built.stagings:  # where the torch path's first TurboQuant layer places them
@@ -134,7 +152,8 @@ class DecodeStack:
         calibrated = tuple(getattr(cache, "calibrated", True) for cache in caches)
         built = self._built
         if built is None or calibrated != built.calibrated or any(a is not b for a, b in zip(built.caches, caches)):
-            described = [_layer(layer, lib) for layer in self.layers]
+            ropes = [self.rotaries.index(layer.self_attn.rotary) for layer in self.layers]
+            described = [_layer(layer, lib, rope) for layer, rope in zip(self.layers, ropes)]
             layers = None if None in described else (abi.Layer * len(described))(*(d[0] for d in described))
             windows = (getattr(cache, "window", None) for cache in caches)
             stagings = list({id(w.staging): w.staging for w in windows if w is not None}.values())
@@ -147,7 +166,8 @@ class DecodeStack:
             raise MemoryError(f"native decode could not allocate scratch for {x.shape[0]} tokens")
 
 
-def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module, policy: GemmPolicy) -> abi.Step | None:
+def decode_step(positions: torch.Tensor, x: torch.Tensor, rotaries: list[nn.Module],
+                policy: GemmPolicy) -> abi.Step | None:
     """The step's shared C description when every row of x is a decode token, else None;
     built once per step and kept in the metadata's step cache."""
     meta, tokens, most = get_metadata(), x.shape[0], policy.decode_stack_max_tokens()
@@ -157,10 +177,11 @@ def decode_step(positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module, pol
     key = "native decode step"
     if key not in meta.step_cache:
         tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
-        cos, sin = rotary.tables(positions)
-        # per weight kind (q4: GGUF's Q4 repacked, on int4's kernels); the C code checks each K
-        amx = [policy.amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4", "int4")]
-        step = abi.Step(tokens, meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), cos.data_ptr(),
-                        sin.data_ptr(), tables.shape[1], abi.threads(), (abi.I32 * 4)(*amx))
+        cos, sin = zip(*(rotary.tables(positions) for rotary in rotaries))
+        # per weight kind (blocks: GGUF's repacked on int4's kernels; q8 has no AMX kernel); the C code checks each K
+        amx = [policy.amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4", "int4")] + [False]
+        pointers = lambda tables: (abi.P * 2)(*(t.data_ptr() for t in tables))  # noqa: E731
+        step = abi.Step(tokens, meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), pointers(cos),
+                        pointers(sin), tables.shape[1], abi.threads(), (abi.I32 * 5)(*amx))
         meta.step_cache[key] = (step, tables, lens, cos, sin)  # the tensors stay alive with the step
     return meta.step_cache[key][0]

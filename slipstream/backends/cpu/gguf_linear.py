@@ -9,7 +9,7 @@ scale to 16 columns; the layouts are in gguf_repack.py, whose `file_blocks` move
 int4 kernels take the low four bits as nibbles, Q5's and Q6_K's higher bits from planes of one
 dword per group and column, and each format's scales (float16 d and m; k-quants' d and dmin per
 256 with a 6-bit scale and minimum per group; Q6_K's int8 scale per 16): AVX-512 loops, AMX tiles
-for prefill, the fused decode stack for Q4_0/Q4_1, wherever the GemmPolicy gives int4 one. One
+for prefill, the fused decode stack, wherever the GemmPolicy gives int4 one. One
 core of the AMX machine, one row: SmolLM2's gate_up (Q4_1) 31 us against gguf_gemm.c's 117; Gemma
 3's (Q5_0) 80 against 272. Q8_0 takes the int8 loops below UPCAST_MIN_ROWS (SmolLM2's LM head:
 0.73 vs 1.55 ms per decode step, 2 threads). A projection fused from two formats (`Segmented`)
@@ -27,6 +27,7 @@ the reference the tests hold the kernels to. This module never knows files or mo
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -109,6 +110,15 @@ class Segmented(LinearMethod):
         out = torch.cat([part(x) for part in layer.parts], dim=-1)
         return out if layer.bias is None else out + layer.bias
 
+    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight | None:
+        """The decode stack's segments, where every part has a packed weight (kept alive on the layer)."""
+        parts = [p.method.weight_struct(p, lib) if hasattr(p.method, "weight_struct") else None for p in layer.parts]
+        if None in parts:
+            return None
+        array = layer.__dict__["parts_struct"] = (abi.Weight * len(parts))(*parts)
+        return abi.Weight(kind=lib.weight_kind_segments, parts=len(parts), weight=ctypes.addressof(array),
+                          n=layer.out_features)
+
 
 def repackable(layer: Linear) -> bool:
     """One segment of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K whose columns tile by 16, activations
@@ -148,7 +158,7 @@ class Repacked(LinearMethod):
 
 class NativeBlocks(NativeCodes, Repacked):
     """GGUF's formats repacked on nibbles (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) on gemm.c's int4
-    kernels (`gemm_blocks*`) wherever the GemmPolicy gives int4 one; Q4_0 / Q4_1 in the decode stack too."""
+    kernels (`gemm_blocks*`) wherever the GemmPolicy gives int4 one, in the decode stack too."""
 
     layout = "int4"
 
@@ -159,12 +169,9 @@ class NativeBlocks(NativeCodes, Repacked):
     def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
         return native_matmul(x, layer.packed, kernel=kernel, silu=silu, blocks=_blocks(layer))
 
-    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight | None:
-        if hasattr(layer, "packed_high") or hasattr(layer, "packed_group"):  # the decode stack has Q4 only
-            return None
-        low = getattr(layer, "packed_low", None)
-        return abi.Weight(lib.weight_kind_q4, layer.packed.data_ptr(), layer.packed_scale.data_ptr(),
-                          None if low is None else low.data_ptr(), layer.out_features)
+    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
+        return abi.Weight(kind=lib.weight_kind_blocks, weight=layer.packed.data_ptr(),
+                          blocks=ctypes.addressof(_blocks(layer)), n=layer.out_features)
 
 
 def _blocks(layer: Linear) -> abi.Blocks:
@@ -182,7 +189,7 @@ def _blocks(layer: Linear) -> abi.Blocks:
 class NativeQ8(NativeCodes, Repacked):
     """Repacked Q8_0 on gemm.c's int8 loops with a float16 scale per group (`gemm_q8`): below
     UPCAST_MIN_ROWS rows, or at every row count where batch invariance asks it (it has no AMX
-    form; the per-layer path only, not the decode stack)."""
+    form); in the decode stack at every row count it serves."""
 
     def __init__(self, policy: GemmPolicy, upcast: bool):
         super().__init__(upcast)
@@ -194,3 +201,7 @@ class NativeQ8(NativeCodes, Repacked):
 
     def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
         return native_matmul(x, layer.packed, layer.packed_scale, kernel=kernel)
+
+    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
+        return abi.Weight(kind=lib.weight_kind_q8, weight=layer.packed.data_ptr(),
+                          scale=layer.packed_scale.data_ptr(), n=layer.out_features)

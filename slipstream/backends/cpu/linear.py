@@ -142,7 +142,7 @@ class NativeBf16(LinearMethod):
         return native_silu_and_mul(self.apply(layer, x))
 
     def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
-        return abi.Weight(lib.weight_kind_bf16, layer.packed.data_ptr(), None, None, layer.out_features)
+        return abi.Weight(kind=lib.weight_kind_bf16, weight=layer.packed.data_ptr(), n=layer.out_features)
 
 
 class NativeCodes:
@@ -188,8 +188,8 @@ class NativeInt8(NativeCodes, Int8):
         return native_matmul(x, layer.packed, layer.scale_f32, kernel=kernel, silu=silu)
 
     def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
-        return abi.Weight(lib.weight_kind_int8, layer.packed.data_ptr(), layer.scale_f32.data_ptr(), None,
-                          layer.out_features)
+        return abi.Weight(kind=lib.weight_kind_int8, weight=layer.packed.data_ptr(), scale=layer.scale_f32.data_ptr(),
+                          n=layer.out_features)
 
 
 class NativeInt4(NativeCodes, Int4):
@@ -216,8 +216,8 @@ class NativeInt4(NativeCodes, Int4):
         return native_matmul(x, layer.packed, layer.packed_scale, layer.packed_low, kernel=kernel, silu=silu)
 
     def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
-        return abi.Weight(lib.weight_kind_int4, layer.packed.data_ptr(), layer.packed_scale.data_ptr(),
-                          layer.packed_low.data_ptr(), layer.out_features)
+        return abi.Weight(kind=lib.weight_kind_int4, weight=layer.packed.data_ptr(),
+                          scale=layer.packed_scale.data_ptr(), low=layer.packed_low.data_ptr(), n=layer.out_features)
 
 
 def native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

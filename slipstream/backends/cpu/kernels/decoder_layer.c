@@ -1,6 +1,7 @@
-// One decode step through a stack of llama-family decoder layers in a single call. Each layer:
-// RMSNorm, fused QKV projection, rotary, cache write, paged attention, output projection +
-// residual, RMSNorm, fused gate/up projection, SiLU(gate) * up, down projection + residual.
+// One decode step through a stack of llama-family or Gemma 3 decoder layers in a single call. Each layer:
+// RMSNorm, fused QKV projection, per-head q/k norms (Qwen3, Gemma 3), rotary, cache write, paged attention,
+// output projection (+ Gemma's norm of it) + residual, RMSNorm, fused gate/up projection, SiLU or GELU(gate) * up,
+// down projection (+ Gemma's norm of it) + residual.
 //
 // Why: at one token per sequence a layer's work is ~10 kernels of microseconds each, and
 // calling them one by one from Python (module calls, ctypes argument conversion, tensor
@@ -18,15 +19,17 @@
 #include "rotary.c"
 #include "turboquant.h"
 
-enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4, WEIGHT_Q4 };
+enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4, WEIGHT_BLOCKS, WEIGHT_Q8, WEIGHT_SEGMENTS };
 
-// A linear layer's weight [n, k] as gemm.c takes it (packed by backends/cpu/linear.py):
-// int8 with a float32 scale per column, int4 with a scale and a
-// minimum per group and column, q4 (GGUF's Q4_0 / Q4_1 repacked) the same in float16 (`gemm_q4`).
-typedef struct {
-    int32_t kind;
-    const void *weight;
-    const void *scale, *low;  // float32, or float16 for q4
+// A linear layer's weight [n, k] as gemm.c takes it (packed by backends/cpu/linear.py and gguf_linear.py):
+// int8 with a float32 scale per column, int4 with a scale and a minimum per group and column, blocks (GGUF's
+// formats repacked on nibbles, `gemm_blocks`), q8 (GGUF's Q8_0: int8 with a float16 scale per group, `gemm_q8`),
+// or segments: `parts` weights of those kinds side by side in the output (a projection fused from two formats).
+typedef struct Weight {
+    int32_t kind, parts;
+    const void *weight;       // segments: the parts' Weights
+    const void *scale, *low;  // float32; float16 for q8
+    const Blocks *blocks;
     int64_t n;
 } Weight;
 
@@ -43,13 +46,18 @@ typedef struct {
     int (*encode)(const TurboQuantEncode *);
 } TurboQuantLayer;
 
+// Norms are RMSNorm in layers/norm.py's llama form (cast, then scale) or, with unit_offset, Gemma's (scale by
+// weight + 1, cast last); the NULL ones are absent.
 typedef struct {
-    const uint16_t *input_norm, *post_attention_norm;
+    const uint16_t *input_norm, *mlp_norm;                // before attention, before the MLP
+    const uint16_t *attention_out_norm, *mlp_out_norm;    // Gemma 3's norms of each block's output
+    const uint16_t *q_norm, *k_norm;                      // per head
     Weight qkv, o, gate_up, down;
     const TurboQuantLayer *turboquant;  // NULL: the bf16 cache below
     uint16_t *k_cache, *v_cache;  // [kv_heads, num_blocks, block_size, head_dim]
     int64_t num_blocks, window;   // window: 0, or the sliding window of the layer
     int32_t block_size, q_heads, kv_heads, head_dim, hidden, intermediate;
+    int32_t unit_offset, gelu, rope;  // rope: which of the step's rotations (Gemma's local and global bases)
     float eps, scale;
 } Layer;
 
@@ -57,22 +65,40 @@ typedef struct {
 typedef struct {
     int64_t tokens;
     const int64_t *slots, *block_tables, *context_lens;  // block_tables [tokens, max_blocks]
-    const float *cos, *sin;                               // [tokens, head_dim / 2]: each token's rotation
+    const float *cos[2], *sin[2];                         // [tokens, head_dim / 2]: each token's rotations
     int32_t max_blocks, threads;
-    int32_t amx[4];  // per weight kind: whether its projections take the AMX kernels at this many tokens
+    int32_t amx[WEIGHT_SEGMENTS];  // per weight kind: whether its projections take the AMX kernels at this many tokens
 } Step;
 
 // Read by backends/cpu/abi.py: the weight kinds, and the sizes its mirrors of the structs are checked against.
 const int32_t weight_kind_bf16 = WEIGHT_BF16, weight_kind_int8 = WEIGHT_INT8, weight_kind_int4 = WEIGHT_INT4,
-              weight_kind_q4 = WEIGHT_Q4;
+              weight_kind_blocks = WEIGHT_BLOCKS, weight_kind_q8 = WEIGHT_Q8, weight_kind_segments = WEIGHT_SEGMENTS;
 const int32_t sizeof_Weight = sizeof(Weight), sizeof_Layer = sizeof(Layer), sizeof_Step = sizeof(Step),
               sizeof_TurboQuantLayer = sizeof(TurboQuantLayer);
 
 // The multiple of K each kind's AMX kernel tiles (gemm.c); other layers keep the AVX-512 loops.
 static int amx_tiles(int32_t kind, int64_t k) { return k % (kind == WEIGHT_INT8 ? 64 : 32) == 0; }
 
+static int project(const Weight *w, const Step *s, const uint16_t *x, uint16_t *y, int64_t k);
+
+// Each part into its columns of y: directly for one token, else through a buffer of the part's rows.
+static int project_segments(const Weight *w, const Step *s, const uint16_t *x, uint16_t *y, int64_t k) {
+    const Weight *parts = w->weight;
+    int64_t m = s->tokens, col = 0;
+    uint16_t *part_out = m > 1 ? malloc(sizeof(uint16_t) * m * w->n) : NULL;
+    int status = m > 1 && !part_out ? -1 : 0;
+    for (int32_t i = 0; i < w->parts && !status; col += parts[i++].n) {
+        status = project(parts + i, s, x, m > 1 ? part_out : y + col, k);
+        for (int64_t t = 0; m > 1 && t < m; t++)
+            memcpy(y + t * w->n + col, part_out + t * parts[i].n, sizeof(uint16_t) * parts[i].n);
+    }
+    free(part_out);
+    return status;
+}
+
 static int project(const Weight *w, const Step *s, const uint16_t *x, uint16_t *y, int64_t k) {
     int64_t m = s->tokens;
+    if (w->kind == WEIGHT_SEGMENTS) return project_segments(w, s, x, y, k);
     int threads = s->threads, amx = s->amx[w->kind] && amx_tiles(w->kind, k);
     switch (w->kind) {
         case WEIGHT_BF16:
@@ -81,13 +107,35 @@ static int project(const Weight *w, const Step *s, const uint16_t *x, uint16_t *
             return (amx ? gemm_int8_amx : gemm_int8)(x, w->weight, w->scale, y, m, w->n, k, threads);
         case WEIGHT_INT4:
             return (amx ? gemm_int4_amx : gemm_int4)(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
-        case WEIGHT_Q4:
-            return (amx ? gemm_q4_amx : gemm_q4)(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
+        case WEIGHT_BLOCKS:
+            return (amx ? gemm_blocks_amx : gemm_blocks)(x, w->weight, w->blocks, y, m, w->n, k, threads);
+        case WEIGHT_Q8:  // no AMX form
+            return gemm_q8(x, w->weight, w->scale, y, m, w->n, k, threads);
     }
     return -1;
 }
 
-static void add_residual(uint16_t *x, const uint16_t *delta, int64_t count) {
+static void norm_rows(const Layer *l, const uint16_t *weight, const uint16_t *x, uint16_t *out, int64_t rows,
+                      int dim, int threads) {
+    if (l->unit_offset)
+        rms_norm_cast_last_bf16(x, weight, out, rows, dim, l->eps, 1.f, threads);
+    else
+        rms_norm_bf16(x, weight, out, rows, dim, l->eps, threads);
+}
+
+// Each token's q and k heads normalised in place, before the rotation (models/llama.py's LlamaAttention).
+static void head_norms(const Layer *l, const Step *s, uint16_t *qkv, int64_t width) {
+    int64_t q_size = (int64_t)l->q_heads * l->head_dim;
+    for (int64_t t = 0; l->q_norm && t < s->tokens; t++) {
+        norm_rows(l, l->q_norm, qkv + t * width, qkv + t * width, l->q_heads, l->head_dim, 1);
+        norm_rows(l, l->k_norm, qkv + t * width + q_size, qkv + t * width + q_size, l->kv_heads, l->head_dim, 1);
+    }
+}
+
+// x += delta, after Gemma's norm of delta where the layer has one
+static void add_residual(const Layer *l, const uint16_t *out_norm, const Step *s, uint16_t *x, uint16_t *delta) {
+    int64_t count = s->tokens * l->hidden;
+    if (out_norm) norm_rows(l, out_norm, delta, delta, s->tokens, l->hidden, s->threads);
     for (int64_t i = 0; i < count; i++) x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(delta[i]));
 }
 
@@ -143,9 +191,11 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
                            uint16_t *q, uint16_t *attn, uint16_t *delta) {
     int64_t m = s->tokens, q_size = (int64_t)l->q_heads * l->head_dim, kv_size = (int64_t)l->kv_heads * l->head_dim;
     int64_t width = q_size + 2 * kv_size;
-    rms_norm_bf16(x, l->input_norm, normed, m, l->hidden, l->eps, s->threads);
+    norm_rows(l, l->input_norm, x, normed, m, l->hidden, s->threads);
     if (project(&l->qkv, s, normed, qkv, l->hidden)) return -1;
-    rotary_bf16(qkv, qkv + q_size, width, m, l->q_heads, l->kv_heads, l->head_dim, s->cos, s->sin, s->threads);
+    head_norms(l, s, qkv, width);
+    rotary_bf16(qkv, qkv + q_size, width, width, m, l->q_heads, l->kv_heads, l->head_dim, s->cos[l->rope],
+                s->sin[l->rope], s->threads);
     if (l->turboquant) {
         if (turboquant_attention(l, s, qkv, attn)) return -1;
     } else {
@@ -158,33 +208,32 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
             return -1;
     }
     if (project(&l->o, s, attn, delta, q_size)) return -1;
-    add_residual(x, delta, m * l->hidden);
+    add_residual(l, l->attention_out_norm, s, x, delta);
     return 0;
 }
 
 // act = silu(gate) * up: in the AMX kernel's epilogue where it serves this step, else the
 // projection and gemm.c's `silu_and_mul_bf16`, which round alike (as the torch path's
-// layers/linear.py `silu_and_mul` calls them).
+// layers/linear.py `silu_and_mul` calls them); GELU's through `gelu_tanh_and_mul_bf16` (layers/mlp.py's).
 static int gated_projection(const Layer *l, const Step *s, const uint16_t *x, uint16_t *gate_up, uint16_t *act) {
     const Weight *w = &l->gate_up;
     int64_t m = s->tokens, k = l->hidden;
-    if (s->amx[w->kind] && amx_tiles(w->kind, k) && w->n % 32 == 0) switch (w->kind) {
+    if (!l->gelu && s->amx[w->kind] && amx_tiles(w->kind, k) && w->n % 32 == 0) switch (w->kind) {
             case WEIGHT_BF16: return gemm_bf16_amx_silu(x, w->weight, act, m, w->n, k, s->threads);
             case WEIGHT_INT8: return gemm_int8_amx_silu(x, w->weight, w->scale, act, m, w->n, k, s->threads);
             case WEIGHT_INT4: return gemm_int4_amx_silu(x, w->weight, w->scale, w->low, act, m, w->n, k, s->threads);
-            case WEIGHT_Q4: return gemm_q4_amx_silu(x, w->weight, w->scale, w->low, act, m, w->n, k, s->threads);
+            case WEIGHT_BLOCKS: return gemm_blocks_amx_silu(x, w->weight, w->blocks, act, m, w->n, k, s->threads);
         }
     if (project(w, s, x, gate_up, k)) return -1;
-    return silu_and_mul_bf16(gate_up, act, m, l->intermediate, s->threads);
+    return (l->gelu ? gelu_tanh_and_mul_bf16 : silu_and_mul_bf16)(gate_up, act, m, l->intermediate, s->threads);
 }
 
 static int mlp_block(const Layer *l, const Step *s, uint16_t *x, uint16_t *normed, uint16_t *gate_up,
                      uint16_t *act, uint16_t *delta) {
-    int64_t m = s->tokens;
-    rms_norm_bf16(x, l->post_attention_norm, normed, m, l->hidden, l->eps, s->threads);
+    norm_rows(l, l->mlp_norm, x, normed, s->tokens, l->hidden, s->threads);
     if (gated_projection(l, s, normed, gate_up, act)) return -1;
     if (project(&l->down, s, act, delta, l->intermediate)) return -1;
-    add_residual(x, delta, m * l->hidden);
+    add_residual(l, l->mlp_out_norm, s, x, delta);
     return 0;
 }
 

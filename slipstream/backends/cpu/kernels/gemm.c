@@ -142,8 +142,10 @@ int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t 
 }
 
 // act [tokens][width] = silu(gate) * up of a fused projection's output [tokens][gate | up] (width
-// each), rounded as the AMX kernels' `_silu` epilogue rounds (vector_math.h). Returns 0.
-int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, int64_t width, int threads) {
+// each), rounded as the AMX kernels' `_silu` epilogue rounds (vector_math.h); with gelu, the tanh
+// approximation of GELU in silu's place (Gemma's MLP; no epilogue has it). Returns 0.
+static int gated_activation(const uint16_t *gate_up, uint16_t *act, int64_t tokens, int64_t width, int gelu,
+                            int threads) {
 #pragma omp parallel for num_threads(threads) if (tokens > 16)
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *gate = gate_up + t * 2 * width, *up = gate + width;
@@ -152,11 +154,21 @@ int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, in
             int count = width - i < 16 ? (int)(width - i) : 16;
             memcpy(g, gate + i, count * sizeof(uint16_t));
             memcpy(u, up + i, count * sizeof(uint16_t));
-            _mm256_storeu_si256((__m256i *)out, silu_and_mul_bf16x16(widen16(g), widen16(u)));
+            __m512 gate16 = widen16(g), up16 = widen16(u);
+            __m256i product = gelu ? gelu_tanh_and_mul_bf16x16(gate16, up16) : silu_and_mul_bf16x16(gate16, up16);
+            _mm256_storeu_si256((__m256i *)out, product);
             memcpy(act + t * width + i, out, count * sizeof(uint16_t));
         }
     }
     return 0;
+}
+
+int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, int64_t width, int threads) {
+    return gated_activation(gate_up, act, tokens, width, 0, threads);
+}
+
+int gelu_tanh_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, int64_t width, int threads) {
+    return gated_activation(gate_up, act, tokens, width, 1, threads);
 }
 
 // --- int8: w = q * scale per output column ------------------------------------------------
@@ -323,7 +335,7 @@ int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, ui
 // of 16-bit codes for steps 2t and 2t+1, ready for `vpdpwssd`: three ops per 32 multiply-adds,
 // where widening nibbles to float32 took seven. Per group, the int32 sums of xq * q join the
 // total as (sum * scale + (sum of the group's xq) * low) * the group's scale of x. scale, low:
-// [N/16][K/GROUP][16] float32, or float16 (`gemm_q4`): GGUF's Q4_1 and Q4_0 repacked from a
+// [N/16][K/GROUP][16] float32, or float16 (`gemm_blocks`): GGUF's Q4_1 and Q4_0 repacked from a
 // file's blocks keep their scales as the file stores them, the same bytes per weight; Q4_0 has
 // no low (NULL), which is -8 * scale.
 // `gemm_blocks` takes every GGUF format repacked on nibbles (gguf_repack.py), described by a `Blocks`:
@@ -517,13 +529,6 @@ static int int4_gemm(const uint16_t *x, const uint8_t *w_packed, const GroupScal
 int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
               int64_t m, int64_t n, int64_t k, int threads) {
     GroupScales gs = {scale, low, 0, NULL, NULL, NULL};
-    return int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
-}
-
-// gemm_int4 with float16 scale and low (NULL: -8 * scale)
-int gemm_q4(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low, uint16_t *y,
-            int64_t m, int64_t n, int64_t k, int threads) {
-    GroupScales gs = {scale, low, 1, NULL, NULL, NULL};
     return int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
 }
 
@@ -925,18 +930,7 @@ int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *
     return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 0}, y, m, n, k, threads, 1);
 }
 
-// gemm_int4_amx and gemm_int4_amx_silu with float16 scale and low (NULL: -8 * scale), as gemm_q4
-int gemm_q4_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low, uint16_t *y,
-                int64_t m, int64_t n, int64_t k, int threads) {
-    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 1}, y, m, n, k, threads, 0);
-}
-
-int gemm_q4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
-                     uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 1}, y, m, n, k, threads, 1);
-}
-
-// gemm_blocks on AMX tiles, as gemm_q4_amx
+// gemm_blocks on AMX tiles, as gemm_int4_amx and gemm_int4_amx_silu
 int gemm_blocks_amx(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
                     int64_t k, int threads) {
     return b->group && k % 256 ? -1 : gemm_int4_tiles(x, w_packed, block_scales(b), y, m, n, k, threads, 0);
@@ -955,6 +949,11 @@ int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, in
     return -1;
 }
 
+int gelu_tanh_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t tokens, int64_t width, int threads) {
+    (void)gate_up, (void)act, (void)tokens, (void)width, (void)threads;
+    return -1;
+}
+
 // built without AVX-512: gemm_bf16_available() tells callers to keep PyTorch's kernels
 int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
               int threads) {
@@ -968,11 +967,6 @@ int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uin
 
 int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
               int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_q4(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low, uint16_t *y,
-            int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
 
@@ -1028,16 +1022,6 @@ int gemm_int8_amx_widened_silu(const uint16_t *x, const int8_t *w_packed, const 
 
 int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
                        int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_q4_amx(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low, uint16_t *y,
-                int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_q4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const uint16_t *scale, const uint16_t *low,
-                     uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
 

@@ -1,7 +1,7 @@
 // Rotary embedding ("rotate half" layout) applied in place to bf16 q and k rows.
-// q: [tokens, q_heads, dim] and k: [tokens, k_heads, dim], each token `stride` elements after
-// the last (they are views into one fused QKV output); cos/sin: float32 [tokens, dim/2], row t
-// for token t's position.
+// q: [tokens, q_heads, dim] and k: [tokens, k_heads, dim], each token q_stride / k_stride elements
+// after the last (views into one fused QKV output, or each normalised into its own tensor); cos/sin:
+// float32 [tokens, dim/2], row t for token t's position.
 // Arithmetic in float32, rounded to bf16 once, as layers/rotary.py does.
 #include "bf16.h"
 
@@ -17,13 +17,13 @@ static void rotate_heads(uint16_t *x, int heads, int dim, const float *cos, cons
     }
 }
 
-void rotary_bf16(uint16_t *q, uint16_t *k, int64_t stride, int64_t tokens, int q_heads, int k_heads, int dim,
-                 const float *cos, const float *sin, int threads) {
+void rotary_bf16(uint16_t *q, uint16_t *k, int64_t q_stride, int64_t k_stride, int64_t tokens, int q_heads,
+                 int k_heads, int dim, const float *cos, const float *sin, int threads) {
     int half = dim / 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens > 16)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * half, *s = sin + t * half;
-        rotate_heads(q + t * stride, q_heads, dim, c, s);
-        rotate_heads(k + t * stride, k_heads, dim, c, s);
+        rotate_heads(q + t * q_stride, q_heads, dim, c, s);
+        rotate_heads(k + t * k_stride, k_heads, dim, c, s);
     }
 }

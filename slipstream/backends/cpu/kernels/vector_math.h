@@ -1,4 +1,4 @@
-// AVX-512 helpers shared by kernels: a vectorised exp, silu(gate) * up, and a 16 x 16 transpose
+// AVX-512 helpers shared by kernels: a vectorised exp, silu(gate) * up and gelu(gate) * up, and a 16 x 16 transpose
 // of 32-bit lanes.
 #pragma once
 #if defined(__AVX512F__)
@@ -46,11 +46,24 @@ static inline __m512 round_bf16(__m512 v) {
 // (as a GEMM stores them), silu, then the product. Every native path of a dense MLP computes its
 // activation here, fused in a GEMM's epilogue or not, so a token's activation is the same bits
 // whichever path its step took (batch invariance).
+static inline __m256i times_up_bf16x16(__m512 activated, __m512 up) {
+    __m512 product = round_bf16(_mm512_mul_ps(round_bf16(activated), round_bf16(up)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(product), 16));
+}
+
 static inline __m256i silu_and_mul_bf16x16(__m512 gate, __m512 up) {
     __m512 g = round_bf16(gate), one = _mm512_set1_ps(1.f);
-    __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-    __m512 product = round_bf16(_mm512_mul_ps(silu, round_bf16(up)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(product), 16));
+    return times_up_bf16x16(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))), up);
+}
+
+// gelu(gate) * up, GELU's tanh approximation, rounded as above (Gemma's MLP: layers/mlp.py and the decode
+// stack both call gemm.c's gelu_tanh_and_mul_bf16). 0.5 g (1 + tanh(u)) written as g / (1 + exp(-2u)), with
+// u = sqrt(2 / pi) (g + 0.044715 g^3): silu's form, one exp and no tanh.
+static inline __m256i gelu_tanh_and_mul_bf16x16(__m512 gate, __m512 up) {
+    __m512 g = round_bf16(gate), one = _mm512_set1_ps(1.f);
+    __m512 cubic = _mm512_fmadd_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(0.044715f), one);
+    __m512 minus_2u = _mm512_mul_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.5957691216f)), cubic);
+    return times_up_bf16x16(_mm512_div_ps(g, _mm512_add_ps(one, exp512(minus_2u))), up);
 }
 
 static inline void transpose16(__m512 r[16]) {  // r[i][j] <- r[j][i]
