@@ -1,19 +1,29 @@
-// Decode attention over a paged bf16 KV cache: one query token per sequence.
+// Attention over a paged bf16 KV cache, each query row over its own sequence's tokens as the last of them:
+// decode tokens, and on batch-invariant backends a prefill chunk's queries too.
 //
 // Cache layout (kvcache/cache.py): [kv_heads, num_blocks, block_size, head_dim], bf16.
-// Each (sequence, KV head) pair is one task: its G = q_heads / kv_heads query heads walk the
-// sequence's blocks once, with an online softmax (running max and sum, rescaled per block), so
-// every key and value row is read once per step, only up to the sequence's own length, and
-// nothing is gathered or padded. Scores, softmax and the value sum stay in float32.
+// Each (tile, KV head) pair is one task: a tile is a decode token, or up to MAX_VECTORS / G consecutive
+// queries of one sequence, whose G = q_heads / kv_heads query heads each walk the sequence's blocks
+// once, with an online softmax (running max and sum, rescaled per block), so every key and value row
+// is read once per tile, only up to the sequence's own length, and nothing is gathered or padded.
+// Scores, softmax and the value sum stay in float32. Keys are scored 16 at a time, transposed in
+// registers so that one FMA takes a channel of 16 keys (no horizontal sums), and the value sums of
+// 64 channels stay in registers over a block's rows. 4k-token prompts, one thread, 512 queries
+// per call: SmolLM2's shape 135 -> 77 ms, Gemma 3's (MQA, head size 256) 168 -> 99 ms against
+// one dot product and one horizontal sum per (query head, key) (cpu model 207, no AVX512-BF16).
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
 #include "decode_batch.h"
+#include "vector_math.h"
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define MAX_BLOCK 64
+#define MAX_VECTORS 32  // query vectors (rows x the KV head's query heads) of one task
 
 // One layer's bf16 cache and the shape of its attention.
 typedef struct {
@@ -43,90 +53,233 @@ static inline float exp_nonpositive(float x) {
     return p;
 }
 
-// Each key and value row is widened to float32 once and used by all `group` query heads.
-// Always inlined so that the callers below compile it once per common head size.
-static inline __attribute__((always_inline)) void attend_one(const uint16_t *q, const uint16_t *k_head, const uint16_t *v_head, const int64_t *table,
-                       int64_t start, int64_t end, uint16_t *out, int group, int dim, int block_size,
-                       float scale) {
-    float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
-    float s[MAX_GROUP][MAX_BLOCK], row[MAX_DIM];
-    for (int g = 0; g < group; g++) {
-        for (int d = 0; d < dim; d++) {
-            qf[g][d] = bf16_to_float(q[g * dim + d]) * scale;
-            acc[g][d] = 0.f;
+// Keys [c, c + 16) of a block widened and transposed, kt[d][j] = channel d of key c + j, so that one vector op
+// scores 16 keys; keys outside [low, high) are zero (they may lie beyond the block).
+static inline void transposed_keys(const uint16_t *kb, int c, int low, int high, int dim, float kt[][16]) {
+#if defined(__AVX512F__)
+    if (dim % 32 == 0) {  // 32 channels of 16 keys as 16 x 16 dwords (channel pairs) transposed, then split
+        for (int dc = 0; dc < dim; dc += 32) {
+            __m512 r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = c + j >= low && c + j < high ? _mm512_loadu_ps(kb + (int64_t)(c + j) * dim + dc)
+                                                    : _mm512_setzero_ps();
+            transpose16(r);
+            for (int i = 0; i < 16; i++) {  // the pair's low half is the even channel
+                __m512i pair = _mm512_castps_si512(r[i]);
+                _mm512_storeu_ps(kt[dc + 2 * i], _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+                _mm512_storeu_ps(kt[dc + 2 * i + 1],
+                                 _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000))));
+            }
         }
-        m[g] = -INFINITY;
-        l[g] = 0.f;
+        return;
     }
-    int64_t block_stride = (int64_t)block_size * dim;
-    for (int64_t first = start - start % block_size; first < end; first += block_size) {
-        int64_t block = table[first / block_size];
-        const uint16_t *kb = k_head + block * block_stride, *vb = v_head + block * block_stride;
-        int lo = first < start ? (int)(start - first) : 0;
-        int hi = end - first < block_size ? (int)(end - first) : block_size;
-        for (int t = lo; t < hi; t++) {
-            for (int d = 0; d < dim; d++) row[d] = bf16_to_float(kb[(int64_t)t * dim + d]);
-            for (int g = 0; g < group; g++) {
-                float dot = 0.f;
-                for (int d = 0; d < dim; d++) dot += qf[g][d] * row[d];
-                s[g][t] = dot;
-            }
-        }
-        for (int g = 0; g < group; g++) {
-            float block_max = m[g];
-            for (int t = lo; t < hi; t++) block_max = s[g][t] > block_max ? s[g][t] : block_max;
-            float correction = l[g] > 0.f ? exp_nonpositive(m[g] - block_max) : 0.f;
-            m[g] = block_max;
-            float sum = 0.f;
-            for (int t = lo; t < hi; t++) {
-                s[g][t] = exp_nonpositive(s[g][t] - block_max);
-                sum += s[g][t];
-            }
-            l[g] = l[g] * correction + sum;
-            for (int d = 0; d < dim; d++) acc[g][d] *= correction;
-        }
-        for (int t = lo; t < hi; t++) {
-            for (int d = 0; d < dim; d++) row[d] = bf16_to_float(vb[(int64_t)t * dim + d]);
-            for (int g = 0; g < group; g++) {
-                float p = s[g][t];
-                for (int d = 0; d < dim; d++) acc[g][d] += p * row[d];
-            }
+#endif
+    for (int j = 0; j < 16; j++)
+        for (int d = 0; d < dim; d++)
+            kt[d][j] = c + j >= low && c + j < high ? bf16_to_float(kb[(int64_t)(c + j) * dim + d]) : 0.f;
+}
+
+// s[i][0..16) = the scores of query vectors q[i] (i < n) against 16 transposed keys: each the sum of its
+// even and its odd channels, each summed in order, one vector op per channel, so a score's bits do not
+// depend on which other vectors share the call (batch invariance); 2n chains interleaved hide the FMA
+// latency. Inlined per constant n. (dim is even: the callers check it.)
+static inline __attribute__((always_inline)) void scores16(const float *const *q, const float kt[][16], int dim,
+                                                           float *const *s, const int n) {
+#if defined(__AVX512F__)
+    __m512 even[4], odd[4];
+    for (int i = 0; i < n; i++) even[i] = odd[i] = _mm512_setzero_ps();
+    for (int d = 0; d < dim; d += 2) {
+        __m512 k0 = _mm512_loadu_ps(kt[d]), k1 = _mm512_loadu_ps(kt[d + 1]);
+        for (int i = 0; i < n; i++) {
+            even[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), k0, even[i]);
+            odd[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d + 1]), k1, odd[i]);
         }
     }
-    for (int g = 0; g < group; g++) {
-        float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int d = 0; d < dim; d++) out[g * dim + d] = float_to_bf16(acc[g][d] * inv);
+    for (int i = 0; i < n; i++) _mm512_storeu_ps(s[i], _mm512_add_ps(even[i], odd[i]));
+#else
+    for (int i = 0; i < n; i++) {
+        float even[16] = {0.f}, odd[16] = {0.f};
+        for (int d = 0; d < dim; d += 2)
+            for (int j = 0; j < 16; j++) {
+                even[j] += q[i][d] * kt[d][j];
+                odd[j] += q[i][d + 1] * kt[d + 1][j];
+            }
+        for (int j = 0; j < 16; j++) s[i][j] = even[j] + odd[j];
+    }
+#endif
+}
+
+// scores16 over `count` vectors, four at a time
+static inline void scores_of(const float *const *q, const float kt[][16], int dim, float *const *s, int count) {
+    int i = 0;
+    for (; i + 4 <= count; i += 4) scores16(q + i, kt, dim, s + i, 4);
+    switch (count - i) {
+        case 3: scores16(q + i, kt, dim, s + i, 3); break;
+        case 2: scores16(q + i, kt, dim, s + i, 2); break;
+        case 1: scores16(q + i, kt, dim, s + i, 1); break;
     }
 }
 
+// acc += the sum of p[t] * value row t over [lo, hi): per channel in the order of t, as a decode token's alone
+// (batch invariance), 64 channels at a time held in registers over the rows.
+static inline void add_values(float *acc, const float *p, const float vf[][MAX_DIM], int lo, int hi, int dim) {
+#if defined(__AVX512F__)
+    if (dim % 64 == 0) {
+        for (int dc = 0; dc < dim; dc += 64) {
+            __m512 a[4];
+            for (int i = 0; i < 4; i++) a[i] = _mm512_loadu_ps(acc + dc + 16 * i);
+            for (int t = lo; t < hi; t++) {
+                __m512 weight = _mm512_set1_ps(p[t]);
+                for (int i = 0; i < 4; i++)
+                    a[i] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(vf[t] + dc + 16 * i), a[i]);
+            }
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc + dc + 16 * i, a[i]);
+        }
+        return;
+    }
+#endif
+    for (int t = lo; t < hi; t++)
+        for (int d = 0; d < dim; d++) acc[d] += p[t] * vf[t][d];
+}
+
+// `rows` consecutive query rows of one sequence: row r's `group` query heads (q + r * q_stride) attend
+// over its tokens [start, ends[r]) (start: 0, or the last `window`). Each key and value row is widened
+// (keys also transposed) once and used by every query vector of the tile that reads it; each vector's scores,
+// softmax and sums are the same operations, in the same order, whatever else the tile holds (a row
+// computed alone, as a decode token, gives the same bits). Always inlined so that the callers below
+// compile it once per common head size.
+static inline __attribute__((always_inline)) void attend_rows(const uint16_t *q, int64_t q_stride,
+                                                              const uint16_t *k_head, const uint16_t *v_head,
+                                                              const int64_t *table, const int64_t *ends, int rows,
+                                                              int64_t window, uint16_t *out, int group, int dim,
+                                                              int block_size, float scale) {
+    float qf[MAX_VECTORS][MAX_DIM], acc[MAX_VECTORS][MAX_DIM], m[MAX_VECTORS], l[MAX_VECTORS];
+    float s[MAX_VECTORS][MAX_BLOCK + 16], kt[MAX_DIM][16], vf[MAX_BLOCK][MAX_DIM];
+    int64_t start[MAX_VECTORS], from = INT64_MAX, to = 0;
+    for (int r = 0; r < rows; r++) {
+        start[r] = window > 0 && ends[r] > window ? ends[r] - window : 0;
+        from = start[r] - start[r] % block_size < from ? start[r] - start[r] % block_size : from;
+        to = ends[r] > to ? ends[r] : to;
+        for (int g = 0; g < group; g++) {
+            int v = r * group + g;
+            for (int d = 0; d < dim; d++) {
+                qf[v][d] = bf16_to_float(q[r * q_stride + g * dim + d]) * scale;
+                acc[v][d] = 0.f;
+            }
+            m[v] = -INFINITY;
+            l[v] = 0.f;
+        }
+    }
+    int64_t block_stride = (int64_t)block_size * dim;
+    for (int64_t first = from; first < to; first += block_size) {
+        int64_t block = table[first / block_size];
+        const uint16_t *kb = k_head + block * block_stride, *vb = v_head + block * block_stride;
+        if (rows == 1 && first + block_size < to) {  // a decode token's blocks lie anywhere in the cache, and its
+            // work per block is too short to hide their latency: fetch the next one's rows while this one is worked
+            int64_t next = table[first / block_size + 1] * block_stride;
+            for (int64_t i = 0; i < block_stride; i += 32) {
+                __builtin_prefetch(k_head + next + i);
+                __builtin_prefetch(v_head + next + i);
+            }
+        }
+        int lo[MAX_VECTORS], hi[MAX_VECTORS], low = block_size, high = 0;
+        for (int r = 0; r < rows; r++) {  // an empty [lo, hi): the block is not the row's
+            int inside = first >= start[r] - start[r] % block_size && first < ends[r];
+            lo[r] = first < start[r] ? (int)(start[r] - first) : 0;
+            hi[r] = !inside ? lo[r] : ends[r] - first < block_size ? (int)(ends[r] - first) : block_size;
+            low = lo[r] < hi[r] && lo[r] < low ? lo[r] : low;
+            high = hi[r] > high ? hi[r] : high;
+        }
+        for (int c = low - low % 16; c < high; c += 16) {
+            transposed_keys(kb, c, low, high, dim, kt);
+            const float *qs[MAX_VECTORS];
+            float *ss[MAX_VECTORS];
+            int n = 0;
+            for (int v = 0; v < rows * group; v++) {  // the vectors whose tokens this chunk holds
+                int r = v / group;
+                if (lo[r] < hi[r] && hi[r] > c && lo[r] < c + 16) qs[n] = qf[v], ss[n++] = s[v] + c;
+            }
+            scores_of(qs, (const float(*)[16])kt, dim, ss, n);
+        }
+        for (int r = 0; r < rows; r++) {
+            if (lo[r] >= hi[r]) continue;
+            for (int g = 0; g < group; g++) {
+                int v = r * group + g;
+                float block_max = m[v];
+                for (int t = lo[r]; t < hi[r]; t++) block_max = s[v][t] > block_max ? s[v][t] : block_max;
+                float correction = l[v] > 0.f ? exp_nonpositive(m[v] - block_max) : 0.f;
+                m[v] = block_max;
+                float sum = 0.f;
+                for (int t = lo[r]; t < hi[r]; t++) {
+                    s[v][t] = exp_nonpositive(s[v][t] - block_max);
+                    sum += s[v][t];
+                }
+                l[v] = l[v] * correction + sum;
+                for (int d = 0; d < dim; d++) acc[v][d] *= correction;
+            }
+        }
+        for (int t = low; t < high; t++)
+            for (int d = 0; d < dim; d++) vf[t][d] = bf16_to_float(vb[(int64_t)t * dim + d]);
+        for (int v = 0; v < rows * group; v++)
+            if (lo[v / group] < hi[v / group]) add_values(acc[v], s[v], (const float(*)[MAX_DIM])vf, lo[v / group],
+                                                          hi[v / group], dim);
+    }
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < group; g++) {
+            int v = r * group + g;
+            float inv = l[v] > 0.f ? 1.f / l[v] : 0.f;
+            for (int d = 0; d < dim; d++) out[r * q_stride + g * dim + d] = float_to_bf16(acc[v][d] * inv);
+        }
+}
+
+// Batch rows that are consecutive tokens of one sequence (a prefill chunk's queries, each with its
+// sequence's block table and one token more than the row before) share a task, up to `most` rows;
+// other rows (decode tokens) are tasks of their own. Returns the number of tiles written.
+static int64_t tiles_of(const int64_t *tables, const int64_t *lens, int batch, int max_blocks, int block_size,
+                        int most, int64_t *tiles) {
+    int64_t count = 0;
+    for (int b = 0; b < batch;) {
+        int n = 1;
+        while (b + n < batch && n < most && lens[b + n] == lens[b + n - 1] + 1 &&
+               !memcmp(tables + (int64_t)(b + n) * max_blocks, tables + (int64_t)b * max_blocks,
+                       sizeof(int64_t) * ((lens[b + n] + block_size - 1) / block_size)))
+            n++;
+        tiles[2 * count] = b, tiles[2 * count + 1] = n, count++;
+        b += n;
+    }
+    return count;
+}
 
 // q, out: [batch, q_heads, dim]; block_tables: [batch, max_blocks]; context_lens: [batch].
 // window > 0 limits each query to its last `window` tokens (sliding-window layers).
-// Returns 0, or -1 when a shape exceeds the fixed per-task buffers (caller falls back).
+// Returns 0, or -1 when a shape exceeds the fixed per-task buffers (caller falls back) or memory runs out.
 // Positional, for C callers: decoder_layer.c includes this file and calls it directly.
 static int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                        const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
                                        int batch, int q_heads, int kv_heads, int dim, int64_t num_blocks,
                                        int block_size, int max_blocks, float scale, int64_t window, int threads) {
     int group = q_heads / kv_heads;
-    if (group > MAX_GROUP || dim > MAX_DIM || block_size > MAX_BLOCK) return -1;
-    int64_t head_stride = num_blocks * block_size * dim;
+    if (group > MAX_GROUP || dim > MAX_DIM || dim % 2 || block_size > MAX_BLOCK) return -1;
+    int64_t *tiles = malloc(sizeof(int64_t) * 2 * (batch > 0 ? batch : 1));
+    if (!tiles) return -1;
+    int64_t count = tiles_of(block_tables, context_lens, batch, max_blocks, block_size, MAX_VECTORS / group, tiles);
+    int64_t head_stride = num_blocks * block_size * dim, q_stride = (int64_t)q_heads * dim;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
-    for (int b = 0; b < batch; b++) {
+    for (int64_t i = 0; i < count; i++) {
         for (int h = 0; h < kv_heads; h++) {
-            int64_t end = context_lens[b];
-            int64_t start = window > 0 && end > window ? end - window : 0;
-            int64_t row = ((int64_t)b * q_heads + (int64_t)h * group) * dim;
-            const int64_t *table = block_tables + (int64_t)b * max_blocks;
+            int64_t b = tiles[2 * i], at = b * q_stride + (int64_t)h * group * dim;
+            int rows = (int)tiles[2 * i + 1];
+            const int64_t *table = block_tables + b * max_blocks, *ends = context_lens + b;
             const uint16_t *k = k_cache + h * head_stride, *v = v_cache + h * head_stride;
             if (dim == 64)  // constant head sizes let the compiler unroll the row loops
-                attend_one(q + row, k, v, table, start, end, out + row, group, 64, block_size, scale);
+                attend_rows(q + at, q_stride, k, v, table, ends, rows, window, out + at, group, 64, block_size, scale);
             else if (dim == 128)
-                attend_one(q + row, k, v, table, start, end, out + row, group, 128, block_size, scale);
+                attend_rows(q + at, q_stride, k, v, table, ends, rows, window, out + at, group, 128, block_size, scale);
             else
-                attend_one(q + row, k, v, table, start, end, out + row, group, dim, block_size, scale);
+                attend_rows(q + at, q_stride, k, v, table, ends, rows, window, out + at, group, dim, block_size, scale);
         }
     }
+    free(tiles);
     return 0;
 }
 
