@@ -19,7 +19,8 @@ CASES = [("llama", 4, None), ("llama", 1, None), ("llama", 2, "int8"), ("llama",
          ("qwen3", 2, None), ("gemma3", 1, None), ("gemma3", 2, "int4")]
 # TurboQuant caches: the codes written and read by turboquant_encode.c / turboquant_attention.c from inside the
 # stack, and the 16-bit window (6 newest, 2 first tokens: shorter than the sequences) staged there
-TURBOQUANT = [("llama", 2, None, "tq3"), ("llama", 1, "int8", "tq4"), ("mistral", 4, None, "tq-k4v2-qjl")]
+TURBOQUANT = [("llama", 2, None, "tq3"), ("llama", 1, "int8", "tq4"), ("mistral", 4, None, "tq-k4v2-qjl"),
+              ("gemma3", 1, None, "tq4")]
 # 4 sequences decode on the AVX-512 GEMMs; 16 reach every format's
 # AMX_MIN_ROWS, so that the AMX kernels run inside the native stack where the machine has them
 SEQUENCES = [4, 16]
@@ -31,6 +32,14 @@ def _generate(path: str, quantization: str | None, prompts: list[list[int]], **e
     outputs = llm.generate(prompts, params, use_tqdm=False)
     logprobs = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outputs]
     return llm, [o.outputs[0].token_ids for o in outputs], torch.tensor(logprobs)
+
+
+def _checkpoint(tmp_path, family: str, num_kv_heads: int) -> str:
+    if family == "gemma3":
+        return build_tiny_gemma3(str(tmp_path), num_kv_heads=num_kv_heads, seed=3)
+    # mistral: a sliding window shorter than the sequences, so the window rule is exercised
+    overrides = {"sliding_window": 12} if family == "mistral" else {}
+    return build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=num_kv_heads, seed=3, **overrides)
 
 
 def _count_calls(monkeypatch) -> list[int]:
@@ -50,12 +59,7 @@ def _count_calls(monkeypatch) -> list[int]:
                          ids=[f"{f}-kv{k}-{q or 'bf16'}" for f, k, q in CASES])
 def test_native_decode_matches_the_per_kernel_path(gemm_isa, tmp_path, monkeypatch, family, num_kv_heads, quantization,
                                                     sequences):
-    # mistral: a sliding window shorter than the sequences, so the window rule is exercised
-    overrides = {"sliding_window": 12} if family == "mistral" else {}
-    if family == "gemma3":
-        path = build_tiny_gemma3(str(tmp_path), num_kv_heads=num_kv_heads, seed=3)
-    else:
-        path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=num_kv_heads, seed=3, **overrides)
+    path = _checkpoint(tmp_path, family, num_kv_heads)
     prompts = random_prompts(sequences, 3, 20, seed=2)  # ragged lengths: different positions and block tables per row
     calls = _count_calls(monkeypatch)
     llm, tokens, logprobs = _generate(path, quantization, prompts, block_size=4)
@@ -80,8 +84,7 @@ def test_layers_the_kernel_does_not_cover_keep_the_torch_path(gemm_isa, tmp_path
                          ids=[f"{f}-kv{k}-{q or 'bf16'}-{d}" for f, k, q, d in TURBOQUANT])
 def test_native_decode_over_turboquant_matches_the_per_kernel_path(gemm_isa, tmp_path, monkeypatch, family,
                                                                    num_kv_heads, quantization, kv_cache_dtype, window):
-    overrides = {"sliding_window": 12} if family == "mistral" else {}
-    path = build_tiny_checkpoint(str(tmp_path), family, num_kv_heads=num_kv_heads, seed=3, **overrides)
+    path = _checkpoint(tmp_path, family, num_kv_heads)
     prompts = random_prompts(4, 3, 20, seed=2)
     knobs = dict(block_size=4, kv_cache_dtype=kv_cache_dtype, kv_cache_recent_tokens=window[0],
                  kv_cache_sink_tokens=window[1])
