@@ -97,7 +97,8 @@ static inline __attribute__((always_inline)) void scores16(const float *const *q
             for (int i = 0; i < n; i++) acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d + j]), k, acc[i][j]);
         }
     for (int i = 0; i < n; i++)
-        _mm512_storeu_ps(s[i], _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][2]), _mm512_add_ps(acc[i][1], acc[i][3])));
+        _mm512_storeu_ps(s[i],
+                         _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][2]), _mm512_add_ps(acc[i][1], acc[i][3])));
 #else
     for (int i = 0; i < n; i++) {
         float acc[4][16] = {{0.f}};
