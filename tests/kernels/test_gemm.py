@@ -83,7 +83,7 @@ def test_shapes_the_kernel_cannot_tile_keep_onednn(gemm_isa):
     torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9, 16, 17, 127, 200])  # int8: 6-row tiles, int4: 4-row tiles and single rows
+@pytest.mark.parametrize("rows", [1, 4, 9, 16, 17, 127, 200])  # int8: 6-row tiles, int4: 8- and 4-row tiles, single rows
 @pytest.mark.parametrize("out_features", [64, 48])  # 48: a last tile narrower than the kernels' tiles
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_native_quantized_gemm_equals_the_dequantized_product(kernel, fmt, rows, out_features):

@@ -72,7 +72,7 @@ def test_a_shard_s_rows_are_repacked_into_memory_of_their_own():
     assert torch.equal(file_blocks(layer), before[48:])
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 9, 16, 17, 40, 130])  # int8: 6-row tiles; int4: 4; AMX: 16 and 32
+@pytest.mark.parametrize("rows", [1, 4, 5, 9, 13, 16, 17, 40, 130])  # int8: 6-row tiles; int4: 8 and 4; AMX: 16 and 32
 @pytest.mark.parametrize("out_features", [48, 176])  # 3 and 11 blocks of 16 columns: narrow last tiles
 @pytest.mark.parametrize("fmt", REPACKED)
 def test_repacked_gemm_equals_dequantize_then_multiply(kernel, fmt, rows, out_features):  # noqa: F811

@@ -352,7 +352,8 @@ int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, ui
 // half's sum of xq times -32 d sc. Sums of x are taken per 16 for that; a group's is their sum, exact.
 #define GROUP 32
 #define MR4 4
-#define NR4 2  // 16-column blocks per tile of MR4 rows; fewer rows take twice as many (more independent sums)
+#define MR8 8  // prefill's rows per tile: 16 independent sums in flight, each pair's codes decoded once for 8 rows
+#define NR4 2  // 16-column blocks per tile of MR4 or MR8 rows; fewer rows take twice as many (more independent sums)
 
 typedef struct {
     const void *scale, *low;
@@ -419,11 +420,11 @@ static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, c
                                                             const GroupScales *gs, int64_t scales, uint16_t *y,
                                                             int64_t n, int mr, int nr, int kind) {
     int64_t groups = k / GROUP;
-    __m512 acc[MR4][2 * NR4];
+    __m512 acc[MR8][2 * NR4];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i high[2 * NR4], sixth[2 * NR4], part[MR4][2 * NR4];
+        __m512i high[2 * NR4], sixth[2 * NR4], part[MR8][2 * NR4];
         for (int j = 0; j < nr; j++) {
             int64_t at = scales + (j * groups + g) * 16;
             high[j] = planes_of(kind) > 0 ? _mm512_loadu_si512(gs->high + at) : _mm512_setzero_si512();
@@ -472,8 +473,10 @@ static inline __attribute__((always_inline)) void column_tile_int4(const int16_t
     int64_t i = 0, groups = k / GROUP;
 #define TILE_INT4(rows, cols) \
     tile_int4(xq + i * k, x_scale + i * groups, xsum + i * 2 * groups, k, w, gs, scales, y + i * n, n, rows, cols, kind)
-    if (nr == NR4)
+    if (nr == NR4) {
+        for (; i + MR8 <= m; i += MR8) TILE_INT4(MR8, NR4);
         for (; i + MR4 <= m; i += MR4) TILE_INT4(MR4, NR4);
+    }
     for (; i < m; i++) {  // constant widths keep the sums in registers
         if (nr == 2 * NR4)
             TILE_INT4(1, 2 * NR4);
