@@ -235,7 +235,11 @@ static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, c
         __m512i acc[MR][NR];
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_si512();
-        for (int64_t q = first / 2; q < last / 2; q++)
+        for (int j = 0; mr == 1 && group_scale && j < nr; j++)  // as the codes below, the next tile's scales
+            _mm_prefetch((const char *)(group_scale + ((nr + j) * groups + first / (Q8_GROUP / 2)) * 16), _MM_HINT_T0);
+        for (int64_t q = first / 2; q < last / 2; q++) {
+            for (int j = 0; mr == 1 && j < nr; j++)  // one row: the next tile's line asked for (see tile_int4)
+                _mm_prefetch((const char *)(w + ((nr + j) * k / 4 + q) * 64), _MM_HINT_T0);
             for (int half = 0; half < 2; half++) {  // pair steps 2q and 2q + 1, in order
                 __m512i b[NR];
                 for (int j = 0; j < nr; j++) {
@@ -249,6 +253,7 @@ static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, c
                     for (int j = 0; j < nr; j++) acc[i][j] = dot_int16(acc[i][j], a, b[j]);
                 }
             }
+        }
         for (int j = 0; j < nr && group_scale; j++) {
             const uint16_t *g = group_scale + (j * groups + first / (Q8_GROUP / 2)) * 16;
             __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
@@ -414,6 +419,19 @@ static inline void scale_and_low(const GroupScales *gs, int kind, int64_t at, in
     *m = gs->low ? scales16(gs->low, gs->half, at) : _mm512_mul_ps(*s, _mm512_set1_ps(kind == FIFTH ? -16.0f : -8.0f));
 }
 
+// Asks for what a 16-column block's group at `at` (as scale_and_low takes it) reads besides its codes.
+static inline void prefetch_scales(const GroupScales *gs, int kind, int64_t at) {
+    if (planes_of(kind) > 0) _mm_prefetch((const char *)(gs->high + at), _MM_HINT_T0);
+    if (planes_of(kind) > 1) _mm_prefetch((const char *)(gs->sixth + at), _MM_HINT_T0);
+    if (gs->group) {
+        _mm_prefetch((const char *)(gs->group + at * 2), _MM_HINT_T0);
+        return;
+    }
+    int size = gs->half ? 2 : 4;
+    _mm_prefetch((const char *)gs->scale + at * size, _MM_HINT_T0);
+    if (gs->low) _mm_prefetch((const char *)gs->low + at * size, _MM_HINT_T0);
+}
+
 // scales: the first of this tile's 16-column block in gs; x_scale: x's per group, row after row
 static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, const float *x_scale,
                                                             const float *xsum, int64_t k, const uint8_t *w,
@@ -429,6 +447,14 @@ static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, c
             int64_t at = scales + (j * groups + g) * 16;
             high[j] = planes_of(kind) > 0 ? _mm512_loadu_si512(gs->high + at) : _mm512_setzero_si512();
             sixth[j] = planes_of(kind) > 1 ? _mm512_loadu_si512(gs->sixth + at) : _mm512_setzero_si512();
+        }
+        // One row (decode) reads each weight once, from memory: the next tile's group g is asked for now, a
+        // tile of arithmetic before its use (the hardware prefetchers, which lose a stream at each tile's edge
+        // and start each column block cold, left loads and arithmetic taking turns)
+        for (int j = 0; mr == 1 && j < nr; j++) {
+            const char *next = (const char *)(w + ((nr + j) * k / 8 + g * GROUP / 8) * 64);
+            for (int line = 0; line < 4; line++) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+            prefetch_scales(gs, kind, scales + ((nr + j) * groups + g) * 16);
         }
         int halves = kind == Q6K ? 2 : 1;  // Q6_K's scales change every 16 K steps
         for (int h = 0; h < halves; h++) {
