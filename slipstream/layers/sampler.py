@@ -44,8 +44,9 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampleResult]:
+        """The processors write into `logits` (the caller's to give: a copy of a 262k vocabulary's row
+        costs Gemma 3 ~0.1 ms a decode step)."""
         raw_logprobs = logits.log_softmax(-1) if any(p.logprobs is not None for p in meta.params) else None
-        logits = logits.clone()
         for processor in self.processors:
             processor(logits, meta)
         tokens = argmax(logits)

@@ -148,6 +148,8 @@ class Kernels:
     # int8 with a float16 scale per group of 32 and column (GGUF's Q8_0 repacked); GGUF's formats on nibbles
     gemm_q8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
+    # (packed, scale, ids int64, count, n, k, out float32 [count, K]): rows of a gemm_q8 weight; -1: an id outside N
+    q8_rows = Function("gemm", P, P, P, I64, I64, I64, P, restype=STATUS)
     # 1 where built with AMX tiles and Linux lets this process use them, else 0 and the _amx calls return -1;
     # the same arguments as above; _silu: the weight is a fused [gate; up] and y [M, N/2] = silu(gate) * up
     gemm_amx_available = Function("gemm", restype=ctypes.c_int)

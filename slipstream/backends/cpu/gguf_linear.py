@@ -202,6 +202,16 @@ class NativeQ8(NativeCodes, Repacked):
     def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
         return native_matmul(x, layer.packed, layer.packed_scale, kernel=kernel)
 
+    def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
+        lib = abi.kernels()
+        if lib is None or ids.dtype != torch.int64:
+            return super().rows(layer, ids)
+        ids, out = ids.contiguous(), torch.empty(ids.numel(), layer.in_features)
+        if lib.q8_rows(layer.packed.data_ptr(), layer.packed_scale.data_ptr(), ids.data_ptr(), ids.numel(),
+                       layer.out_features, layer.in_features, out.data_ptr()):
+            raise IndexError(f"token ids {ids.tolist()}: the table has rows [0, {layer.out_features})")
+        return out
+
     def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
         return abi.Weight(kind=lib.weight_kind_q8, weight=layer.packed.data_ptr(),
                           scale=layer.packed_scale.data_ptr(), n=layer.out_features)

@@ -1064,3 +1064,25 @@ int gemm_blocks_amx_silu(const uint16_t *x, const uint8_t *w_packed, const Block
     return -1;
 }
 #endif
+
+// out[count, K] float32 = rows `ids` of a weight laid out as `gemm_q8` reads it (GGUF's Q8_0 repacked:
+// codes [N/16][K/4][16] quads k0 k2 k1 k3, float16 scales [N/16][K/32][16]), each d * code as the torch twin
+// computes it: a tied embedding's lookup. One call where torch's gather and dequantization take a dozen
+// ops, each slow on caches the step's weights have just streamed through. 0, or -1 for an id outside [0, N).
+int q8_rows(const int8_t *w_packed, const uint16_t *scale, const int64_t *ids, int64_t count, int64_t n, int64_t k,
+            float *out) {
+    for (int64_t i = 0; i < count; i++) {
+        if (ids[i] < 0 || ids[i] >= n) return -1;
+        int64_t tile = ids[i] / 16, column = ids[i] % 16;
+        const int8_t *codes = w_packed + tile * 16 * k + column * 4;
+        const uint16_t *scales = scale + tile * (k / 32) * 16 + column;
+        for (int64_t q = 0; q < k / 4; q++) {
+            const int8_t *quad = codes + q * 64;
+            _Float16 half;
+            memcpy(&half, scales + q / 8 * 16, sizeof half);
+            float d = (float)half, *o = out + i * k + 4 * q;
+            o[0] = d * quad[0], o[1] = d * quad[2], o[2] = d * quad[1], o[3] = d * quad[3];
+        }
+    }
+    return 0;
+}
