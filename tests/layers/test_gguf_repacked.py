@@ -58,7 +58,6 @@ def test_repacking_is_exact_and_costs_no_bytes(fmt):
     assert torch.equal(layer.method.rows(layer, ids), dequantize_rows(block_format(fmt), blocks)[ids])
 
 
-
 def test_native_q8_rows_equal_the_torch_twin_and_refuse_ids_outside_the_table(isa):
     """A tied Q8_0 embedding's lookup (kernels/gemm.c `q8_rows`, every ISA build): every column of a 16-row
     tile, repeated ids, in the torch twin's bits; an id outside the table is an error, not a read beyond it."""
@@ -68,6 +67,7 @@ def test_native_q8_rows_equal_the_torch_twin_and_refuse_ids_outside_the_table(is
     for outside in (48, -1):
         with pytest.raises(IndexError, match=rf"token ids \[{outside}\]: the table has rows \[0, 48\)"):
             layer.method.rows(layer, torch.tensor([outside]))
+
 
 def test_a_shard_s_rows_are_repacked_into_memory_of_their_own():
     """A tensor-parallel shard's rows are a view of the file's tensor: laid over them, the repacked layer

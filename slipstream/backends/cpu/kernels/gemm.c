@@ -1066,9 +1066,9 @@ int gemm_blocks_amx_silu(const uint16_t *x, const uint8_t *w_packed, const Block
 #endif
 
 // out[count, K] float32 = rows `ids` of a weight laid out as `gemm_q8` reads it (GGUF's Q8_0 repacked:
-// codes [N/16][K/4][16] quads k0 k2 k1 k3, float16 scales [N/16][K/32][16]), each d * code as the torch twin
-// computes it: a tied embedding's lookup. One call where torch's gather and dequantization take a dozen
-// ops, each slow on caches the step's weights have just streamed through. 0, or -1 for an id outside [0, N).
+// codes [N/16][K/4][16] quads k0 k2 k1 k3, float16 scales [N/16][K/32][16]), each d * code, the torch twin's
+// values: a tied embedding's lookup. One call where torch's gather and dequantization take some forty ops,
+// each slow on caches the step's weights have just streamed through. 0, or -1 for an id outside [0, N).
 int q8_rows(const int8_t *w_packed, const uint16_t *scale, const int64_t *ids, int64_t count, int64_t n, int64_t k,
             float *out) {
     for (int64_t i = 0; i < count; i++) {
