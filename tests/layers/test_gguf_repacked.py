@@ -60,7 +60,7 @@ def test_repacking_is_exact_and_costs_no_bytes(fmt):
 
 def test_native_q8_rows_equal_the_torch_twin_and_refuse_ids_outside_the_table(isa):
     """A tied Q8_0 embedding's lookup (kernels/gemm.c `q8_rows`, every ISA build): every column of a 16-row
-    tile, repeated ids, in the torch twin's bits; an id outside the table is an error, not a read beyond it."""
+    tile, repeated ids, the torch twin's values; an id outside the table is an error, not a read beyond it."""
     layer, blocks = repacked("Q8_0", 48, K, GemmPolicy(amx=False, invariant=False))
     ids = torch.tensor([*range(48), 47, 0, 17, 17])
     assert torch.equal(layer.method.rows(layer, ids), dequantize_rows(block_format("Q8_0"), blocks)[ids])
