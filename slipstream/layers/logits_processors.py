@@ -57,7 +57,8 @@ class MinTokens:
 def penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     """repetition_penalty over prompt and output tokens; presence and frequency over the output."""
     for row, (p, tokens, prompt) in enumerate(zip(meta.params, meta.token_ids, meta.num_prompt_tokens)):
-        _penalize(logits[row], p, tokens, prompt)
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            _penalize(logits[row], p, tokens, prompt)
 
 
 def _penalize(row: torch.Tensor, p: SamplingParams, tokens: list[int], prompt: int) -> None:

@@ -3,9 +3,10 @@
 cos/sin are computed for the flattened `positions` of a step (row t for token t), so prefill
 chunks and decode tokens mix freely. Every layer of a step passes the same `positions`
 tensor, so they are computed once per step. Not precomputed for every position up to the
-model's limit: Gemma 3's two 32k tables were 64 MB, a quarter of its 4-bit weights, to save
-microseconds a step. The product position x frequency is the same float32 either way, so
-are the tables.
+model's limit (Gemma 3's two 32k tables are 64 MB, a quarter of its 4-bit weights); the CPU
+decode stack, where a step's four ops cost ~50 us, grows its own to the longest context served
+(backends/cpu/decode_stack.py's RotaryTables). The product position x frequency is the same
+float32 either way, so are the tables.
 """
 from __future__ import annotations
 

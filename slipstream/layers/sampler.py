@@ -42,10 +42,9 @@ class Sampler:
     def __init__(self, processors: list[LogitsProcessor]):
         self.processors = processors
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampleResult]:
         """The processors write into `logits`: the caller's to give, read by no one after (a copy was 1 MB
-        a decode step for Gemma 3's 262k vocabulary)."""
+        a decode step for Gemma 3's 262k vocabulary). Called within the model runner's inference mode."""
         raw_logprobs = logits.log_softmax(-1) if any(p.logprobs is not None for p in meta.params) else None
         for processor in self.processors:
             processor(logits, meta)

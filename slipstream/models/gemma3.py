@@ -98,7 +98,7 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = scaled_embedding(self.embed_tokens, input_ids, self.embed_scale)
         if self.decode_stack is not None and self.decode_stack(positions, x):
-            return self.norm(x)
+            return x
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)

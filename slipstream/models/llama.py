@@ -111,7 +111,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    # a backend's fused run of every layer for the steps it serves (positions, x) -> ran, or None
+    # a backend's fused run of every layer and the final norm for the steps it serves (positions, x) -> ran
     decode_stack: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
 
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer]):
@@ -123,7 +123,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.decode_stack is not None and self.decode_stack(positions, x):
-            return self.norm(x)  # the stack ran every layer, in place: x is the embedding lookup's own tensor
+            return x  # the stack ran every layer and the norm, in place: x is the embedding lookup's own tensor
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)

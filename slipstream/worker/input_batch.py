@@ -78,14 +78,20 @@ class InputBatch:
             new_ids += seq.token_ids[done:done + n]
             blocks = seq.block_ids[:width]
             table[i, :len(blocks)] = blocks
-        starts = self.np["query_start_loc"]
-        starts[:count + 1] = np.cumsum([0, *query_lens])
         self.np["seq_lens"][:count] = context_lens
         self.np["input_ids"][:tokens] = new_ids
-        row = np.repeat(np.arange(count), query_lens)
-        pos = self.np["positions"][:tokens]
-        pos[:] = np.arange(tokens) + (np.array([done for _, done, _ in rows]) - starts[:count])[row]
-        self.np["slot_mapping"][:tokens] = table[row, pos // self.block_size] * self.block_size + pos % self.block_size
+        starts, pos = self.np["query_start_loc"][:count + 1], self.np["positions"][:tokens]
+        if tokens == count:  # one token a row (decode): lists cost less than numpy's calls at a few rows
+            starts[:] = range(count + 1)
+            pos[:] = [done for _, done, _ in rows]
+            size = self.block_size
+            self.np["slot_mapping"][:tokens] = [seq.block_ids[done // size] * size + done % size
+                                                for seq, done, _ in rows]
+        else:
+            starts[:] = np.cumsum([0, *query_lens])
+            row = np.repeat(np.arange(count), query_lens)
+            pos[:] = np.arange(tokens) + (np.array([done for _, done, _ in rows]) - starts[:count])[row]
+            self.np["slot_mapping"][:tokens] = table[row, pos // self.block_size] * self.block_size + pos % self.block_size
         self.shape = (tokens, count, width)
         return self._inputs()
 
@@ -105,21 +111,17 @@ class InputBatch:
     def _inputs(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         tokens, count, width = self.shape
         starts = self.np["query_start_loc"][:count + 1].tolist()
-        t = self._to_device(_sizes(self.shape))
+        sizes = _sizes(self.shape)
+        host = {name: self.host[name][:n] for name, n in sizes.items()}
+        host["block_table"] = host["block_table"].view(count, width)
+        t = host if self.buffers is self.host else {  # the device's own persistent buffers
+            name: self.buffers[name][:n].view(host[name].shape).copy_(host[name], non_blocking=True)
+            for name, n in sizes.items()}
         query_lens = [b - a for a, b in zip(starts, starts[1:])]
-        table = t["block_table"].view(count, width)
-        meta = AttentionMetadata(t["slot_mapping"], t["query_start_loc"], t["seq_lens"], table,
+        meta = AttentionMetadata(t["slot_mapping"], t["query_start_loc"], t["seq_lens"], t["block_table"],
                                  leading_decodes(query_lens), starts, self.np["seq_lens"][:count].tolist(),
-                                 slot_mapping_cpu=self.host["slot_mapping"][:tokens],
-                                 block_table_cpu=self.host["block_table"][:count * width].view(count, width))
+                                 slot_mapping_cpu=host["slot_mapping"], block_table_cpu=host["block_table"])
         return t["input_ids"], t["positions"], meta
-
-    def _to_device(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-        """The filled prefix of each buffer, copied into the device's own persistent buffer if it has one."""
-        if self.buffers is self.host:
-            return {name: self.host[name][:n] for name, n in sizes.items()}
-        return {name: self.buffers[name][:n].copy_(self.host[name][:n], non_blocking=True)
-                for name, n in sizes.items()}
 
 
 def _sizes(shape: tuple[int, int, int]) -> dict[str, int]:

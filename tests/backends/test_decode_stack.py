@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from slipstream import LLM, SamplingParams
-from slipstream.backends.cpu.decode_stack import DecodeStack
+from slipstream.backends.cpu.decode_stack import DecodeStack, RotaryTables
+from slipstream.layers.rotary import RotaryEmbedding
 from tests.conftest import build_tiny_checkpoint, random_prompts
 from tests.models.test_gemma3 import build_tiny_gemma3
 
@@ -46,11 +47,11 @@ def _count_calls(monkeypatch) -> list[int]:
     calls = [0]
     original = DecodeStack.run
 
-    def counted(layers, step, x):
+    def counted(self, layers, step, x):
         calls[0] += 1
-        return original(layers, step, x)
+        return original(self, layers, step, x)
 
-    monkeypatch.setattr(DecodeStack, "run", staticmethod(counted))
+    monkeypatch.setattr(DecodeStack, "run", counted)
     return calls
 
 
@@ -96,6 +97,21 @@ def test_native_decode_over_turboquant_matches_the_per_kernel_path(gemm_isa, tmp
     _, expected_tokens, expected_logprobs = _generate(path, quantization, prompts, **knobs)
     assert tokens == expected_tokens
     assert torch.equal(logprobs, expected_logprobs)
+
+
+def test_rotary_tables_cover_each_position_asked_for_with_the_step_tables_rows():
+    """The C code reads row p for position p: a table must reach past the longest context, with the rows
+    the torch path computes for a step (bit for bit: batch invariance)."""
+    local, global_ = RotaryEmbedding(64, 10_000.0), RotaryEmbedding(64, 1_000_000.0)
+    tables = RotaryTables([local, global_])
+    first = tables.covering(0)
+    assert tables.covering(1023) is first and first[0][0].shape == (1024, 32)
+    grown = tables.covering(1024)
+    assert [cos.shape[0] for cos, _ in grown] == [2048, 2048] and tables.covering(5000)[1][1].shape[0] == 8192
+    positions = torch.tensor([0, 1023, 1024, 4999])
+    for rotary, (cos, sin) in zip([local, global_], tables.covering(4999)):
+        expected_cos, expected_sin = rotary.tables(positions)
+        assert torch.equal(cos[positions], expected_cos) and torch.equal(sin[positions], expected_sin)
 
 
 def test_float32_caches_keep_the_torch_path(gemm_isa, tiny_llama, monkeypatch):

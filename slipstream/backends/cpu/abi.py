@@ -91,7 +91,7 @@ class Layer(ctypes.Structure):
 class Step(ctypes.Structure):
     """decoder_layer.c: what every layer of a decode step shares."""
     _fields_ = [("tokens", I64), ("slots", P), ("block_tables", P), ("context_lens", P),
-                ("cos", P * 2), ("sin", P * 2), ("max_blocks", I32), ("threads", I32), ("amx", I32 * 5)]
+                ("positions", P), ("cos", P * 2), ("sin", P * 2), ("max_blocks", I32), ("threads", I32), ("amx", I32 * 5)]
 
 
 # each mirror and the kernel that exports its C size (`sizeof_<name>`), checked when a build loads
@@ -180,8 +180,8 @@ class Kernels:
     shm_publish = Function("shm_sync", P, I64)
     # (flags, stride in int64s, ranks, seq, timeout ns): 0 once every flag reached seq, -1 at the timeout
     shm_wait = Function("shm_sync", P, I32, I32, I64, I64, restype=STATUS)
-    # (layers, count, step, x)
-    decoder_layers_decode = Function("decoder_layer", ctypes.POINTER(Layer), I32, ctypes.POINTER(Step), P,
+    # (layers, count, final norm, step, x)
+    decoder_layers_decode = Function("decoder_layer", ctypes.POINTER(Layer), I32, P, ctypes.POINTER(Step), P,
                                      restype=STATUS)
 
     paged_attention_max_group = Constant("paged_attention")

@@ -88,7 +88,7 @@ class CpuBackend(ReferenceBackend):
         return self.experts
 
     def decode_stack(self, model: nn.Module) -> DecodeStack | None:
-        return DecodeStack(model.model.layers, self.policy) if self.capability.gemm else None
+        return DecodeStack(model.model.layers, model.model.norm, self.policy) if self.capability.gemm else None
 
     def invariance_gaps(self, model: nn.Module) -> list[str]:
         native = [*self.native.values(), *self.repacked.values()]  # the methods bound to layers gemm.c tiles

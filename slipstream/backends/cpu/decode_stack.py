@@ -1,4 +1,5 @@
-"""Decode steps through all llama-family or Gemma 3 decoder layers in one native call (kernels/decoder_layer.c).
+"""Decode steps through all llama-family or Gemma 3 decoder layers and the final norm in one native call
+(kernels/decoder_layer.c).
 
 At one token per sequence a layer's arithmetic takes microseconds, and the torch path's
 Python (module calls, per-kernel ctypes conversions, tensor allocations) cost more than
@@ -65,7 +66,7 @@ def _layer(layer: nn.Module, lib: abi.Kernels, rope: int) -> tuple[abi.Layer, ab
     weights = [packed_weight(m, lib) for m in projections]
     norms = _norms(layer)
     present = [n for n in norms if n is not None]
-    forms = {(n.eps, n.unit_offset, n.cast_last, n.weight.dtype) for n in present}  # one form, llama's or Gemma 3's
+    forms = {_form(n) for n in present}  # one form, llama's or Gemma 3's
     if (None in weights or rope > 1 or attn.qk_norm not in (None, "head") or attn.clip_qkv is not None
             or getattr(mlp, "act", None) not in (F.silu, gelu_tanh) or len(forms) > 1
             or present[0].cast_last != present[0].unit_offset or present[0].weight.dtype != torch.bfloat16):
@@ -84,6 +85,10 @@ def _layer(layer: nn.Module, lib: abi.Kernels, rope: int) -> tuple[abi.Layer, ab
                      num_blocks, attn.attn.sliding_window or 0, block_size, attn.attn.num_heads, heads, head_dim,
                      present[0].weight.shape[0], weights[2].n // 2, present[0].unit_offset, mlp.act is gelu_tanh, rope,
                      present[0].eps, attn.attn.scale), turboquant
+
+
+def _form(norm: nn.Module) -> tuple:
+    return norm.eps, norm.unit_offset, norm.cast_last, norm.weight.dtype
 
 
 def _dense_bf16(cache, num_heads: int, lib: abi.Kernels) -> bool:
@@ -122,23 +127,24 @@ class _Described(NamedTuple):
 
 
 class DecodeStack:
-    """A model's decoder layers, run whole for the decode steps the C code serves: the CPU
-    backend's fused decode stack. Its description of the layers is built on first use and
-    again whenever a KV cache is rebound."""
+    """A model's decoder layers and final norm, run whole for the decode steps the C code serves:
+    the CPU backend's fused decode stack. Its description of the layers is built on first use
+    and again whenever a KV cache is rebound."""
 
-    def __init__(self, layers: nn.ModuleList, policy: GemmPolicy):
-        self.layers, self.policy = layers, policy
+    def __init__(self, layers: nn.ModuleList, norm: nn.Module, policy: GemmPolicy):
+        self.layers, self.norm, self.policy = layers, norm, policy
         self.rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in layers}.values())
+        self.rotations = RotaryTables(self.rotaries)
         # the Attention modules whose caches the description binds, found once: reaching them through
         # nn.Module's attribute lookup every step cost ~60 us of a ~5 ms SmolLM2 step
         self.attentions = [layer.self_attn.attn for layer in layers]
         self._built: _Described | None = None
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
-        """Runs every layer on x in place and returns True when the step is one the stack
-        serves; False (x untouched) sends it down the torch path."""
+        """Runs every layer and the final norm on x in place and returns True when the step is
+        one the stack serves; False (x untouched) sends it down the torch path."""
         layers = self.described()
-        step = None if layers is None else decode_step(positions, x, self.rotaries, self.policy)
+        step = None if layers is None else decode_step(positions, x, self.rotations, self.policy)
         if step is None:
             return False
         for staging in self._built.stagings:  # where the torch path's first TurboQuant layer places them
@@ -157,19 +163,19 @@ class DecodeStack:
         if built is None or calibrated != built.calibrated or any(a is not b for a, b in zip(built.caches, caches)):
             ropes = [self.rotaries.index(layer.self_attn.rotary) for layer in self.layers]
             described = [_layer(layer, lib, rope) for layer, rope in zip(self.layers, ropes)]
-            layers = None if None in described else (abi.Layer * len(described))(*(d[0] for d in described))
+            fits = None not in described and _form(self.norm) == _form(self.layers[0].input_layernorm)
+            layers = (abi.Layer * len(described))(*(d[0] for d in described)) if fits else None
             windows = (getattr(cache, "window", None) for cache in caches)
             stagings = list({id(w.staging): w.staging for w in windows if w is not None}.values())
             self._built = _Described(caches, calibrated, layers, [d[1] for d in described if d], stagings)
         return self._built.layers
 
-    @staticmethod
-    def run(layers: ctypes.Array, step: abi.Step, x: torch.Tensor) -> None:
-        if abi.kernels().decoder_layers_decode(layers, len(layers), step, x.data_ptr()) != 0:
+    def run(self, layers: ctypes.Array, step: abi.Step, x: torch.Tensor) -> None:
+        if abi.kernels().decoder_layers_decode(layers, len(layers), self.norm.weight.data_ptr(), step, x.data_ptr()):
             raise MemoryError(f"native decode could not allocate scratch for {x.shape[0]} tokens")
 
 
-def decode_step(positions: torch.Tensor, x: torch.Tensor, rotaries: list[nn.Module],
+def decode_step(positions: torch.Tensor, x: torch.Tensor, rotations: "RotaryTables",
                 policy: GemmPolicy) -> abi.Step | None:
     """The step's shared C description when every row of x is a decode token, else None;
     built once per step and kept in the metadata's step cache."""
@@ -179,12 +185,32 @@ def decode_step(positions: torch.Tensor, x: torch.Tensor, rotaries: list[nn.Modu
         return None
     key = "native decode step"
     if key not in meta.step_cache:
-        tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
-        cos, sin = zip(*(rotary.tables(positions) for rotary in rotaries))
+        cos, sin = zip(*rotations.covering(max(meta.context_lens) - 1))
         # per weight kind (blocks: GGUF's repacked on int4's kernels; q8 has no AMX kernel); the C code checks each K
         amx = [policy.amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4", "int4")] + [False]
         pointers = lambda tables: (abi.P * 2)(*(t.data_ptr() for t in tables))  # noqa: E731
-        step = abi.Step(tokens, meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), pointers(cos),
-                        pointers(sin), tables.shape[1], abi.threads(), (abi.I32 * 5)(*amx))
-        meta.step_cache[key] = (step, tables, lens, cos, sin)  # the tensors stay alive with the step
+        # every row decodes: the whole block table and seq_lens are the decode rows'
+        step = abi.Step(tokens, meta.slot_mapping.data_ptr(), meta.block_table.data_ptr(), meta.seq_lens.data_ptr(),
+                        positions.data_ptr(), pointers(cos), pointers(sin), meta.block_table.shape[1], abi.threads(),
+                        (abi.I32 * 5)(*amx))
+        meta.step_cache[key] = (step, positions, cos, sin)  # the tensors stay alive with the step
     return meta.step_cache[key][0]
+
+
+class RotaryTables:
+    """cos and sin of every position below a bound, per rotary base, which the C code reads by each
+    token's position: a step computes none (the four torch ops of `RotaryEmbedding.tables` cost
+    ~50 us of a SmolLM2 step, on caches the weights have just streamed through). Their rows are
+    those tables' rows bit for bit (an elementwise function of the position). Grown by doubling
+    to the longest context served: SmolLM2 at 8k holds 2 MB, Gemma 3's two bases at 32k 64 MB."""
+
+    def __init__(self, rotaries: list[nn.Module]):
+        self.rotaries, self.covered, self.tables = rotaries, 0, []
+
+    def covering(self, last: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [covered, head_dim / 2] float32 per base, covering positions [0, last]."""
+        if last >= self.covered:
+            self.covered = max(1024, 1 << last.bit_length())
+            positions = torch.arange(self.covered, device=self.rotaries[0].inv_freq.device)
+            self.tables = [rotary.tables(positions) for rotary in self.rotaries]
+        return self.tables

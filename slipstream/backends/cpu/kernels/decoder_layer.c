@@ -65,7 +65,8 @@ typedef struct {
 typedef struct {
     int64_t tokens;
     const int64_t *slots, *block_tables, *context_lens;  // block_tables [tokens, max_blocks]
-    const float *cos[2], *sin[2];                         // [tokens, head_dim / 2]: each token's rotations
+    const int64_t *positions;
+    const float *cos[2], *sin[2];  // tables [positions covered, head_dim / 2]: row p holds position p's rotations
     int32_t max_blocks, threads;
     int32_t amx[WEIGHT_SEGMENTS];  // per weight kind: whether its projections take the AMX kernels at this many tokens
 } Step;
@@ -194,8 +195,9 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
     norm_rows(l, l->input_norm, x, normed, m, l->hidden, s->threads);
     if (project(&l->qkv, s, normed, qkv, l->hidden)) return -1;
     head_norms(l, s, qkv, width);
-    rotary_bf16(qkv, qkv + q_size, width, width, m, l->q_heads, l->kv_heads, l->head_dim, s->cos[l->rope],
-                s->sin[l->rope], s->threads);
+    for (int64_t t = 0, half = l->head_dim / 2; t < m; t++)
+        rotary_bf16(qkv + t * width, qkv + t * width + q_size, width, width, 1, l->q_heads, l->kv_heads, l->head_dim,
+                    s->cos[l->rope] + s->positions[t] * half, s->sin[l->rope] + s->positions[t] * half, 1);
     if (l->turboquant) {
         if (turboquant_attention(l, s, qkv, attn)) return -1;
     } else {
@@ -252,16 +254,18 @@ static int decode_layer(const Layer *l, const Step *s, uint16_t *x, uint16_t *sc
     return mlp_block(l, s, x, normed, gate_up, act, delta);
 }
 
-// Runs `count` layers in order on x: [tokens, hidden] bf16, updated in place to the last
-// layer's output. Returns 0, or -1 when memory runs out or a shape is beyond the kernels;
+// Runs `count` layers in order on x: [tokens, hidden] bf16, then the model's final norm (in the layers' form),
+// updated in place. Returns 0, or -1 when memory runs out or a shape is beyond the kernels;
 // x is then unspecified, so the caller checks shapes before (backends/cpu/decode_stack.py).
-int decoder_layers_decode(const Layer *layers, int32_t count, const Step *s, uint16_t *x) {
+int decoder_layers_decode(const Layer *layers, int32_t count, const uint16_t *final_norm, const Step *s,
+                          uint16_t *x) {
     int64_t per_token = 0;
     for (int32_t i = 0; i < count; i++)
         per_token = scratch_per_token(layers + i) > per_token ? scratch_per_token(layers + i) : per_token;
     uint16_t *scratch = malloc(sizeof(uint16_t) * s->tokens * per_token);
     int status = scratch ? 0 : -1;
     for (int32_t i = 0; i < count && !status; i++) status = decode_layer(layers + i, s, x, scratch);
+    if (!status) norm_rows(layers, final_norm, x, x, s->tokens, layers->hidden, s->threads);
     free(scratch);
     return status;
 }
