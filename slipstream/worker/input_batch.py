@@ -81,17 +81,17 @@ class InputBatch:
         self.np["seq_lens"][:count] = context_lens
         self.np["input_ids"][:tokens] = new_ids
         starts, pos = self.np["query_start_loc"][:count + 1], self.np["positions"][:tokens]
+        size = self.block_size
         if tokens == count:  # one token a row (decode): lists cost less than numpy's calls at a few rows
             starts[:] = range(count + 1)
             pos[:] = [done for _, done, _ in rows]
-            size = self.block_size
             self.np["slot_mapping"][:tokens] = [seq.block_ids[done // size] * size + done % size
                                                 for seq, done, _ in rows]
         else:
             starts[:] = np.cumsum([0, *query_lens])
             row = np.repeat(np.arange(count), query_lens)
             pos[:] = np.arange(tokens) + (np.array([done for _, done, _ in rows]) - starts[:count])[row]
-            self.np["slot_mapping"][:tokens] = table[row, pos // self.block_size] * self.block_size + pos % self.block_size
+            self.np["slot_mapping"][:tokens] = table[row, pos // size] * size + pos % size
         self.shape = (tokens, count, width)
         return self._inputs()
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.attention.metadata import get_metadata
+from slipstream.attention.metadata import AttentionMetadata, get_metadata
 from slipstream.attention.turboquant import place_staging
 from slipstream.backends.cpu import abi
 from slipstream.backends.cpu.attention import has_slack, turboquant_layer, window_tokens
@@ -134,7 +134,7 @@ class DecodeStack:
     def __init__(self, layers: nn.ModuleList, norm: nn.Module, policy: GemmPolicy):
         self.layers, self.norm, self.policy = layers, norm, policy
         self.rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in layers}.values())
-        self.rotations = RotaryTables(self.rotaries)
+        self.rotations, self.step = RotaryTables(self.rotaries), abi.Step()
         # the Attention modules whose caches the description binds, found once: reaching them through
         # nn.Module's attribute lookup every step cost ~60 us of a ~5 ms SmolLM2 step
         self.attentions = [layer.self_attn.attn for layer in layers]
@@ -143,14 +143,32 @@ class DecodeStack:
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Runs every layer and the final norm on x in place and returns True when the step is
         one the stack serves; False (x untouched) sends it down the torch path."""
-        layers = self.described()
-        step = None if layers is None else decode_step(positions, x, self.rotations, self.policy)
-        if step is None:
+        layers, meta = self.described(), get_metadata()
+        if layers is None or not self._serves(meta, x):
             return False
         for staging in self._built.stagings:  # where the torch path's first TurboQuant layer places them
-            place_staging(staging, get_metadata())
-        self.run(layers, step, x)
+            place_staging(staging, meta)
+        self.run(layers, self._step(meta, positions, x.shape[0]), x)
         return True
+
+    def _serves(self, meta: AttentionMetadata, x: torch.Tensor) -> bool:
+        """Every row of x is a decode token, in bf16 on the CPU, below the policy's bound on tokens."""
+        tokens, most = x.shape[0], self.policy.decode_stack_max_tokens()
+        return not (meta.prefills or meta.num_decodes != tokens or most is not None and tokens >= most
+                    or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not x.is_contiguous()
+                    or torch.is_grad_enabled())
+
+    def _step(self, meta: AttentionMetadata, positions: torch.Tensor, tokens: int) -> abi.Step:
+        """The step's C description: one struct, refilled (building one cost ~20 us a step)."""
+        step = self.step
+        if step.tokens != tokens:  # AMX per weight kind (blocks: GGUF's, on int4's kernels; q8 has none; C checks K)
+            step.amx[:] = [self.policy.amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4", "int4")] + [False]
+        self.rotations.place(step, max(meta.context_lens) - 1)
+        # every row decodes: the whole block table and seq_lens are the decode rows'
+        step.tokens, step.slots, step.positions = tokens, meta.slot_mapping.data_ptr(), positions.data_ptr()
+        step.block_tables, step.context_lens = meta.block_table.data_ptr(), meta.seq_lens.data_ptr()
+        step.max_blocks, step.threads = meta.block_table.shape[1], abi.threads()
+        return step
 
     def described(self) -> ctypes.Array | None:
         """The layers as `decoder_layers_decode` takes them; None when any does not fit."""
@@ -175,28 +193,6 @@ class DecodeStack:
             raise MemoryError(f"native decode could not allocate scratch for {x.shape[0]} tokens")
 
 
-def decode_step(positions: torch.Tensor, x: torch.Tensor, rotations: "RotaryTables",
-                policy: GemmPolicy) -> abi.Step | None:
-    """The step's shared C description when every row of x is a decode token, else None;
-    built once per step and kept in the metadata's step cache."""
-    meta, tokens, most = get_metadata(), x.shape[0], policy.decode_stack_max_tokens()
-    if (meta.prefills or meta.num_decodes != tokens or most is not None and tokens >= most or x.dtype != torch.bfloat16
-            or x.device.type != "cpu" or not x.is_contiguous() or torch.is_grad_enabled()):
-        return None
-    key = "native decode step"
-    if key not in meta.step_cache:
-        cos, sin = zip(*rotations.covering(max(meta.context_lens) - 1))
-        # per weight kind (blocks: GGUF's repacked on int4's kernels; q8 has no AMX kernel); the C code checks each K
-        amx = [policy.amx_serves(fmt, tokens) for fmt in ("bf16", "int8", "int4", "int4")] + [False]
-        pointers = lambda tables: (abi.P * 2)(*(t.data_ptr() for t in tables))  # noqa: E731
-        # every row decodes: the whole block table and seq_lens are the decode rows'
-        step = abi.Step(tokens, meta.slot_mapping.data_ptr(), meta.block_table.data_ptr(), meta.seq_lens.data_ptr(),
-                        positions.data_ptr(), pointers(cos), pointers(sin), meta.block_table.shape[1], abi.threads(),
-                        (abi.I32 * 5)(*amx))
-        meta.step_cache[key] = (step, positions, cos, sin)  # the tensors stay alive with the step
-    return meta.step_cache[key][0]
-
-
 class RotaryTables:
     """cos and sin of every position below a bound, per rotary base, which the C code reads by each
     token's position: a step computes none (the four torch ops of `RotaryEmbedding.tables` cost
@@ -214,3 +210,8 @@ class RotaryTables:
             positions = torch.arange(self.covered, device=self.rotaries[0].inv_freq.device)
             self.tables = [rotary.tables(positions) for rotary in self.rotaries]
         return self.tables
+
+    def place(self, step: abi.Step, last: int) -> None:
+        """Points the step at tables covering positions [0, last]."""
+        for i, (cos, sin) in enumerate(self.covering(last)):
+            step.cos[i], step.sin[i] = cos.data_ptr(), sin.data_ptr()
