@@ -109,7 +109,7 @@ class InputBatch:
         return self._inputs()
 
     def _inputs(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        tokens, count, width = self.shape
+        _, count, width = self.shape
         starts = self.np["query_start_loc"][:count + 1].tolist()
         sizes = _sizes(self.shape)
         host = {name: self.host[name][:n] for name, n in sizes.items()}
