@@ -1,6 +1,7 @@
 """KV-cache dtypes where memory binds: TurboQuant's names against the bf16 cache, every figure from one run.
 
-Rows (the dtypes alternated within each of --repeats rounds; medians; bf16 model weights):
+Rows (the dtypes alternated within each of --repeats rounds; medians; the models' weights widened to bf16, or with
+`--weights as-stored` kept as the GGUF file stores them, the engine's default):
 - prefill 8k: one 8,000-token prompt on SmolLM2 in the engine's default chunks, so that every chunk after the
   first attends to a compressed prefix: seconds, and the bf16 cache's time over this one's;
 - batch 16 x 4k: 16 sequences of 4,096 prompt tokens on SmolLM2 decoding together: tok/s over the steps in which
@@ -9,7 +10,7 @@ Rows (the dtypes alternated within each of --repeats rounds; medians; bf16 model
 - one short: one sequence of 128 prompt tokens on SmolLM2 (TurboQuant must not cost where memory is plenty).
 
     python benchmarks/kv_speed.py [--rows "prefill 8k" ...] [--dtypes bfloat16 tq4 tq3 tq2.5] [--repeats 3]
-                                  [--threads 1 --clock cpu]
+                                  [--weights as-stored] [--threads 1 --clock cpu]
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ KV_MEMORY = 2 * 2**30  # the bf16 cache holds 16 x 4k on SmolLM2 and 4 x 16k on 
 clock = time.perf_counter
 
 
-def build(row: str, kv_dtype: str) -> LLM:
+def build(row: str, kv_dtype: str, weights: str) -> LLM:
     model, seqs, prompt, decode = ROWS[row]
-    return LLM(model, dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_memory=KV_MEMORY, max_num_seqs=seqs,
+    return LLM(model, dtype="bfloat16" if weights == "bfloat16" else "auto", kv_cache_dtype=kv_dtype, kv_cache_memory=KV_MEMORY, max_num_seqs=seqs,
                max_model_len=prompt + decode + 16, enable_prefix_caching=decode > 0)
 
 
@@ -71,13 +72,14 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--dtypes", nargs="*", default=DTYPES)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weights", choices=["bfloat16", "as-stored"], default="bfloat16")
     timing.add_arguments(parser)
     args = parser.parse_args()
     global clock
     clock = timing.clock_of(args)
     table = []
     for row in args.rows:
-        engines = {dtype: build(row, dtype) for dtype in args.dtypes}
+        engines = {dtype: build(row, dtype, args.weights) for dtype in args.dtypes}
         measure = decode_rate if ROWS[row][3] else prefill_seconds
         figures: dict[str, list[float]] = {dtype: [] for dtype in args.dtypes}
         for round_ in range(args.repeats + (measure is decode_rate)):  # decode: a first round to fill the cache

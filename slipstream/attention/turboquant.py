@@ -215,7 +215,8 @@ def _staged_decode_window(window: RecentWindow, tables: torch.Tensor, lens: torc
     width = math.ceil(window.tokens / window.block_size) + 1 if window.tokens else 0
     first = ((lens - window.tokens).clamp_min(0) // window.block_size)[:, None]
     sinks = torch.arange(window.sink_blocks, device=lens.device)
-    sinks = torch.where(sinks < first, sinks, tables.shape[1])  # already in the recent part: moved past the table
+    in_recent = (sinks >= first) & (sinks < first + width)
+    sinks = torch.where(in_recent, tables.shape[1], sinks)  # already in the recent part: moved past the table
     index = torch.cat([sinks, first + torch.arange(width, device=lens.device)], 1)  # past the table: masked by position
     blocks = tables.gather(1, index.clamp_max(tables.shape[1] - 1))
     return (*window.gather(blocks), _positions(index, window.block_size), window.exists(blocks))

@@ -98,30 +98,37 @@ def test_kernel_with_larger_heads(isa, kv_dtype, dim):
 
 
 @pytest.mark.parametrize("group", [5, 8])  # the generic, not specialised, group sizes
-def test_kernel_with_other_group_sizes(isa, group):
-    q, cache, meta = _decode_step("tq3", [33, 70], group * 2, 2, block_size=8)
+@pytest.mark.parametrize("block_size", [8, 16])  # 16: AVX-512 scores a block's rows at once
+def test_kernel_with_other_group_sizes(isa, group, block_size):
+    q, cache, meta = _decode_step("tq3", [33, 70], group * 2, 2, block_size=block_size)
     assert (_kernel_decode(q, cache, meta, None) - _torch_decode(q, cache, meta, None)).abs().max() < TOL
 
 
 def test_kernel_reads_only_each_sequence_blocks(isa):
-    """A NaN norm in a block no table points to, or past a sequence's length, must not reach any output."""
+    """A NaN norm in a block no table points to, or past a sequence's length, must not reach any output
+    (a whole block's key rows are scored at once on AVX-512: those past the length must be dropped)."""
     q, cache, meta = _decode_step("tq3", [5, 40], 6, 2)
     used = set(meta.decode_block_tables.flatten().tolist())
     free = next(b for b in range(cache.k.shape[0]) if b not in used)
     cache.k[free] = 0xFF  # every fp16 in these rows reads as NaN
-    cache.v[meta.decode_block_tables[0, 0], 5:] = 0xFF  # slots after the 5 tokens of sequence 0
+    cache.k[meta.decode_block_tables[0, 0], 5:] = 0xFF  # slots after the 5 tokens of sequence 0
+    cache.v[meta.decode_block_tables[0, 0], 5:] = 0xFF
     assert torch.isfinite(_kernel_decode(q, cache, meta, None)).all()
 
 
 @pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0)])
 @pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 12])
-def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window):
+@pytest.mark.parametrize("block_size,lens", [(4, [37, 9]), (16, [90, 9])])  # 16: whole blocks between the windows
+def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window,
+                                                                  block_size, lens):
     """With 16-bit windows the kernel reads staged tokens (and the query's own) in 16 bits, the rest from codes."""
     g = torch.Generator().manual_seed(2)
-    block_size, kv_heads, num_heads, lens = 4, 2, 6, [37, 9]
+    kv_heads, num_heads = 2, 6
     cache = _cache("tq3", kv_heads, num_heads, 32, block_size, recent, sinks, dense_dtype)
-    tables = torch.tensor([list(range(0, 10)), list(range(10, 13)) + [0] * 7])
+    counts = [-(-n // block_size) for n in lens]
+    tables = torch.tensor([list(range(sum(counts[:s]), sum(counts[:s + 1]))) + [0] * (max(counts) - counts[s])
+                           for s in range(len(lens))])
     for seq, n in enumerate(lens):  # a prefill of all but the last token, so staging follows the engine's rules
         table = tables[seq, :-(-n // block_size)]
         slots = table[torch.arange(n - 1) // block_size] * block_size + torch.arange(n - 1) % block_size

@@ -9,8 +9,9 @@
 // As in paged_attention.c, a sequence with one query row (decode) is one task per KV head: it rotates its G
 // query heads into code space, walks the sequence's own blocks once with an online softmax in float32, and
 // rotates the G sums back. Each code row is decoded once per task, VW codes per step (a byte permute, a variable
-// shift and an in-register table lookup), and shared by the G query heads; nothing is gathered, padded or
-// dequantized to the original space. A sequence with several rows (a prefill chunk over a cached prefix, or
+// shift and an in-register table lookup), and shared by the G query heads; nothing is padded or dequantized to
+// the original space. With AVX-512, keys of 2- or 4-bit pieces are scored a block at a time, the block's 16 rows as
+// the lanes (score_block). A sequence with several rows (a prefill chunk over a cached prefix, or
 // tokens to verify) is split into tiles of up to MAX_VECTORS query vectors (rows x heads), each a task that
 // walks the blocks once: a decoded row is scored against every vector of the tile at once (the vectors are the
 // SIMD lanes: a small matrix product per token, no horizontal sums), each query row causal over the chunk's own
@@ -145,6 +146,7 @@ typedef struct {
 
 typedef struct {
     int count, width, bytes;  // pieces, code-space width, bytes per row
+    int by_tokens;            // score_block serves it: AVX-512, every piece 2 or 4 bits without gamma
     Piece pieces[MAX_PIECES];
 } Layout;
 
@@ -180,23 +182,68 @@ static inline __attribute__((always_inline)) void score_row(const Layout *kl, co
     for (int g = 0; g < group; g++) scores[g] = vsum(total[g]);
 }
 
-// acc[g] += sum over the n rows of weights[r][g] * scales[piece][r] * the piece's codes, for `group` heads
+#if VW == 16
+// One piece's codes of 16 rows (word 0 of each at first + rows[lane]) against `group` query heads, the rows as
+// the lanes: each 32-bit word of codes is gathered from the 16 rows once, and each code in it is shifted to the
+// low 4 bits, which vpermps reads (a 2-bit code's table repeats, as decode's does). Two sums per head, for
+// two chains of FMAs.
+static inline __attribute__((always_inline)) void score_words(const Piece *piece, const uint8_t *first,
+                                                              __m512i rows, const float *q, int width, int group,
+                                                              const int bits, __m512 acc[][2]) {
+    for (int w = 0; w < piece->count * bits / 32; w++) {
+        __m512i word = _mm512_i32gather_epi32(rows, first + 4 * w, 1);
+        for (int c = 0; c < 32 / bits; c++) {
+            __m512i code = _mm512_srli_epi32(word, (unsigned)(c * bits));
+            __m512 v = _mm512_permutexvar_ps(code, piece->decoder.table);
+            for (int g = 0; g < group; g++)
+                acc[g][c & 1] = vfma(v, vsplat(q[g * width + w * 32 / bits + c]), acc[g][c & 1]);
+        }
+    }
+}
+
+// Scores of a whole block of 16 rows (row t at first_row + t * stride) for `group` heads, scores[g][t], with no
+// horizontal sums (score_row, row by row, took 43% of this kernel's cycles at 16 x 4k). Rows the caller then drops
+// (read in 16 bits, outside the window, past the sequence) are scored too: they lie inside the block's memory.
+static inline __attribute__((always_inline)) void score_block(const Layout *kl, const uint8_t *first_row,
+                                                              int64_t stride, const float *q, int group,
+                                                              float scale, float scores[][MAX_BLOCK]) {
+    __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                      _mm512_set1_epi32((int)stride));
+    vec total[MAX_GROUP];
+    for (int g = 0; g < group; g++) total[g] = vzero();
+    for (int p = 0, at = 0; p < kl->count; at += kl->pieces[p].count, p++) {
+        const Piece *piece = &kl->pieces[p];
+        vec acc[MAX_GROUP][2];
+        for (int g = 0; g < group; g++) acc[g][0] = acc[g][1] = vzero();
+        if (piece->bits == 4)
+            score_words(piece, first_row + piece->offset, rows, q + at, kl->width, group, 4, acc);
+        else
+            score_words(piece, first_row + piece->offset, rows, q + at, kl->width, group, 2, acc);
+        __m512i norms = _mm512_i32gather_epi32(rows, first_row + piece->norm_at, 1);  // fp16 in the low half
+        vec s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(norms)), vsplat(piece->factor * scale));
+        for (int g = 0; g < group; g++) total[g] = vfma(_mm512_add_ps(acc[g][0], acc[g][1]), s, total[g]);
+    }
+    for (int g = 0; g < group; g++) vstore(scores[g], total[g]);
+}
+#endif
+
+// acc[g] += sum over the n rows of weights[g][r] * scales[piece][r] * the piece's codes, for `group` heads
 // (acc: [group][width]). Codes outer, rows inner: the accumulators stay in registers for a whole block.
 static inline __attribute__((always_inline)) void accumulate_rows(const Layout *vl, const uint8_t *const *rows,
-                                                                  int n, float weights[][MAX_GROUP],
+                                                                  int n, float weights[][MAX_BLOCK],
                                                                   float scales[][MAX_BLOCK], int group, float *acc) {
     for (int p = 0, at = 0; p < vl->count; at += vl->pieces[p].count, p++) {
         const Piece *piece = &vl->pieces[p];
-        float w[MAX_BLOCK][MAX_GROUP];
-        for (int r = 0; r < n; r++)
-            for (int g = 0; g < group; g++) w[r][g] = weights[r][g] * scales[p][r];
+        float w[MAX_GROUP][MAX_BLOCK];
+        for (int g = 0; g < group; g++)
+            for (int r = 0; r < n; r++) w[g][r] = weights[g][r] * scales[p][r];
         for (int i = 0; i < piece->count; i += VW) {
             const int byte = piece->offset + piece->bits * i / 8;
             vec sum[MAX_GROUP];
             for (int g = 0; g < group; g++) sum[g] = vload(acc + g * vl->width + at + i);
             for (int r = 0; r < n; r++) {
                 vec v = decode(&piece->decoder, piece->bits, rows[r] + byte);
-                for (int g = 0; g < group; g++) sum[g] = vfma(vsplat(w[r][g]), v, sum[g]);
+                for (int g = 0; g < group; g++) sum[g] = vfma(vsplat(w[g][r]), v, sum[g]);
             }
             for (int g = 0; g < group; g++) vstore(acc + g * vl->width + at + i, sum[g]);
         }
@@ -292,7 +339,8 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
     int64_t k_stride = (int64_t)st->heads * kl->bytes, v_stride = (int64_t)st->heads * vl->bytes;
     const uint8_t *k_head = st->k + (int64_t)h * kl->bytes, *v_head = st->v + (int64_t)h * vl->bytes;
     float acc[MAX_GROUP * MAX_WIDTH / 2], m[MAX_GROUP], l[MAX_GROUP], mean_score[MAX_GROUP];
-    float s[MAX_GROUP][MAX_BLOCK], p[MAX_BLOCK][MAX_GROUP], row[MAX_WIDTH], v_scales[MAX_PIECES][MAX_BLOCK];
+    float s[MAX_GROUP][MAX_BLOCK], row[MAX_WIDTH], v_scales[MAX_PIECES][MAX_BLOCK];
+    const int blockwise = kl->by_tokens && bs == VW;
     const uint8_t *rows[MAX_BLOCK];
     const void *dense_v[MAX_BLOCK];
     int64_t dense_row[MAX_BLOCK];
@@ -313,17 +361,25 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
         int n = 0, nd = 0;  // tokens read from codes (s[][0..n), rows) and in 16 bits (s[][n..n+nd), dense_*)
         if (first + PREFETCH * bs < end) prefetch_block(k_head, v_head, table[first / bs + PREFETCH] * bs, bs,
                                                         k_stride, v_stride, kl->bytes, vl->bytes);
+        // whether any token of the block is among the newest `recent` or the first `sinks` (most blocks are not)
+        const int near = st->staging_of && (first < st->sinks || first + bs > end - st->recent);
+#if VW == 16
+        if (blockwise) score_block(kl, k_head + slot0 * k_stride, k_stride, q, group, st->scale, s);
+#endif
         for (int t = lo; t < hi; t++) {
-            if (read_dense(st, table, first + t, end - 1)) continue;
-            float scores[MAX_GROUP];
-            score_row(kl, k_head + (slot0 + t) * k_stride, q, group, st->scale, scores);
+            if (near && read_dense(st, table, first + t, end - 1)) continue;
+            float scores[MAX_GROUP];  // s[g][t] moves to s[g][n], n <= t
+            if (blockwise)
+                for (int g = 0; g < group; g++) scores[g] = s[g][t];
+            else
+                score_row(kl, k_head + (slot0 + t) * k_stride, q, group, st->scale, scores);
             for (int g = 0; g < group; g++) s[g][n] = scores[g];
             rows[n] = v_head + (slot0 + t) * v_stride;
             // the value row's scales read here, where the scoring around them hides the first touch of the row
             for (int p = 0; p < vl->count; p++) v_scales[p][n] = piece_scale(&vl->pieces[p], rows[n]);
             n++;
         }
-        for (int t = lo; t < hi; t++) {
+        for (int t = lo; near && t < hi; t++) {
             int64_t pos = first + t;
             if (!read_dense(st, table, pos, end - 1)) continue;
             const void *k_base = st->own_k;
@@ -345,18 +401,20 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
         if (!n && !nd) continue;
         for (int g = 0; g < group; g++) {
             float block_max = max_of(s[g], n + nd, m[g]), sum = 0.f;
-            float correction = exp_nonpositive(m[g] - block_max);
+            // the running maximum settles early: most blocks need no correction (e^0 is 1 here too)
+            float correction = block_max > m[g] ? exp_nonpositive(m[g] - block_max) : 1.f;
             m[g] = block_max;
             for (int r = 0; r < n + nd; r++) {
                 s[g][r] = exp_nonpositive(s[g][r] - block_max);
                 sum += s[g][r];
             }
             l[g] = l[g] * correction + sum;
-            for (int d = 0; d < width; d++) acc[g * width + d] *= correction;
-            for (int d = 0; d < dim; d++) dense[g * dim + d] *= correction;
-            for (int r = 0; r < n; r++) p[r][g] = s[g][r];
+            if (correction != 1.f) {
+                for (int d = 0; d < width; d++) acc[g * width + d] *= correction;
+                for (int d = 0; d < dim; d++) dense[g * dim + d] *= correction;
+            }
         }
-        accumulate_rows(vl, rows, n, p, v_scales, group, acc);
+        accumulate_rows(vl, rows, n, s, v_scales, group, acc);
         for (int r = 0; r < nd; r++) {
             load_row(dense_v[r], dense_row[r], dim, st->bf16, row);
             for (int g = 0; g < group; g++)
@@ -594,6 +652,7 @@ static int make_layout(Layout *layout, const int32_t *ints, const float *floats,
     layout->count = count;
     layout->width = width;
     layout->bytes = bytes;
+    layout->by_tokens = 1;
     int total = 0;
     for (int p = 0; p < count; p++) {
         Piece *piece = &layout->pieces[p];
@@ -605,6 +664,7 @@ static int make_layout(Layout *layout, const int32_t *ints, const float *floats,
         piece->factor = floats[17 * p];
         if (piece->bits < 1 || piece->bits > 4 || piece->count % VW) return -1;
         make_decoder(&piece->decoder, piece->bits, floats + 17 * p + 1);
+        layout->by_tokens &= VW == 16 && (piece->bits == 2 || piece->bits == 4) && piece->gamma_at < 0;
         total += piece->count;
     }
     return total == width ? 0 : -1;
