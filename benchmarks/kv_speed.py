@@ -34,8 +34,9 @@ clock = time.perf_counter
 
 def build(row: str, kv_dtype: str, weights: str) -> LLM:
     model, seqs, prompt, decode = ROWS[row]
-    return LLM(model, dtype="bfloat16" if weights == "bfloat16" else "auto", kv_cache_dtype=kv_dtype, kv_cache_memory=KV_MEMORY, max_num_seqs=seqs,
-               max_model_len=prompt + decode + 16, enable_prefix_caching=decode > 0)
+    return LLM(model, dtype="bfloat16" if weights == "bfloat16" else "auto", kv_cache_dtype=kv_dtype,
+               kv_cache_memory=KV_MEMORY, max_num_seqs=seqs, max_model_len=prompt + decode + 16,
+               enable_prefix_caching=decode > 0)
 
 
 def prompts(row: str, seed: int) -> list[list[int]]:
