@@ -141,16 +141,18 @@ def test_grammar_requests_do_not_speculate(tiny_with_tokenizer, monkeypatch):
 
 
 class Slow(Oracle):
-    """The reference continuation (one draft in three wrong), at 20 ms a proposal."""
+    """The reference continuation (one draft in three wrong), at 200 ms a proposal."""
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        time.sleep(0.02)
+        time.sleep(0.2)
         return super().lookup(token_ids, k)
 
 
 def test_a_proposal_that_costs_more_than_it_saves_is_measured_and_turned_off(tiny_llama):
-    """The tiny model's step takes about a millisecond: 20 ms proposals cannot pay, whatever
-    their acceptance, and the engine measures that (the proposer guessed them free)."""
+    """The tiny model's step takes about a millisecond: 200 ms proposals cannot pay, whatever
+    their acceptance, and the engine measures that (the proposer guessed them free). 200, not 20:
+    on an oversubscribed machine a step stalled by its OpenMP threads once took long enough to make
+    20 ms proposals look cheap."""
     reference = LLM(tiny_llama, dtype="float32", **SMALL).generate([PROMPT], PARAMS, use_tqdm=False)[0]
     oracle = ([PROMPT], [reference.outputs[0].token_ids])
     _, (fast,) = _run(tiny_llama, Oracle(*oracle))
