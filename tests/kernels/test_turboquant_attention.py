@@ -130,7 +130,7 @@ def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, s
     tables = torch.tensor([list(range(sum(counts[:s]), sum(counts[:s + 1]))) + [0] * (max(counts) - counts[s])
                            for s in range(len(lens))])
     for seq, n in enumerate(lens):  # a prefill of all but the last token, so staging follows the engine's rules
-        table = tables[seq, :-(-n // block_size)]
+        table = tables[seq, :counts[seq]]
         slots = table[torch.arange(n - 1) // block_size] * block_size + torch.arange(n - 1) % block_size
         meta = step_metadata([n - 1], [n - 1], table[None], slots)
         turboquant.paged_attention(torch.randn(n - 1, num_heads, 64, generator=g),
