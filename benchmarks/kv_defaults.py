@@ -42,8 +42,9 @@ ROWS = ["tq4", "tq3.5", "tq3", "tq-k3v3", "tq2.5", "tq-k3v2", "tq4-codes", "tq3-
 CHUNK, TAIL = 64, 1024
 GEMMA_TURNS = ("{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
                "{{ m['content'] }}<end_of_turn>\n{% endfor %}")
-# per model: (KV heads, head dim) of each layer, and the positions whose distributions KL compares (None: all)
-MODELS = {"smollm2-135m": (SHAPES, None), "gemma3-270m": ([(1, 256)] * 18, TAIL)}
+# per model: (KV heads, head dim) and sliding window of each layer, and the positions whose distributions KL
+# compares (None: all)
+MODELS = {"smollm2-135m": (SHAPES, None, None), "gemma3-270m": ([(1, 256)] * 18, ([512] * 5 + [None]) * 3, TAIL)}
 
 
 def prose() -> str:
@@ -100,7 +101,7 @@ def _no_statistics(cache: TurboQuantLayerCache, query_power, k: torch.Tensor, v:
 
 
 def evaluate(model: str, kv_dtype: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    shapes, kl_positions = MODELS[model]
+    shapes, _, kl_positions = MODELS[model]
     per_token = sum(2 * heads * dim * 4 for heads, dim in shapes)  # a float32 cache's, the largest asked for
     llm = LLM(model, dtype="float32", kv_cache_dtype=kv_dtype, max_num_seqs=1, max_num_batched_tokens=CHUNK,
               enable_prefix_caching=False, max_model_len=len(ids) + 8,
@@ -110,8 +111,9 @@ def evaluate(model: str, kv_dtype: str, ids: list[int]) -> tuple[torch.Tensor, t
 
 def bytes_per_token(model: str, kv_dtype: str, context: int) -> float:
     """All layers' K/V bytes per token of one `context`-token sequence, its 16-bit staging included."""
-    cache = KVCache(MODELS[model][0], parse_kv_cache_dtype(kv_dtype, torch.bfloat16), torch.bfloat16, 2**34, 16,
-                    torch.device("meta"))
+    shapes, sliding, _ = MODELS[model]
+    cache = KVCache(shapes, parse_kv_cache_dtype(kv_dtype, torch.bfloat16), torch.bfloat16, 2**34, 16,
+                    torch.device("meta"), sliding_windows=sliding)
     return cache.bytes_per_token + cache.window_memory / context
 
 

@@ -67,6 +67,9 @@ class LayerKVCache:
 
 
 DEFAULT_STAGING_SHARE = 8
+# A sliding-window layer reads no token older than its window; one this short (Gemma 3's 512) keeps the whole of it
+# in 16 bits and reads no codes. Mistral's 4,096 would cost 16-bit bytes for 4k tokens of every layer and sequence.
+WHOLE_WINDOW_TOKENS = 1024
 
 
 class KVCache:
@@ -74,7 +77,8 @@ class KVCache:
 
     With TurboQuant, the first and last `dense_layers` layers keep a bf16/fp32 cache, and
     with `recent_tokens` R or `sink_tokens` S > 0 each TurboQuant layer also keeps the newest R and
-    the first S tokens of up to `max_num_seqs` sequences in 16 bits (`RecentWindow`); that staging
+    the first S tokens of up to `max_num_seqs` sequences in 16 bits (`RecentWindow`), a sliding-window layer
+    whose window W is at most WHOLE_WINDOW_TOKENS its newest max(R, W) instead; that staging
     memory is taken from `memory` before the blocks are counted. With both None (the dtype name's
     defaults) the staging takes at most 1/DEFAULT_STAGING_SHARE of `memory`, so a default never costs
     most of a small budget: `window_seqs` then says how many sequences it serves at once.
@@ -83,9 +87,10 @@ class KVCache:
     def __init__(self, layer_shapes: list[tuple[int, int]], kv_dtype: KVCacheDtype, model_dtype: torch.dtype,
                  memory: int, block_size: int, device: torch.device, dense_layers: int = 0,
                  recent_tokens: int | None = None, max_num_seqs: int = 1, sink_tokens: int | None = None,
-                 key_turns: list[torch.Tensor | None] | None = None):
+                 key_turns: list[torch.Tensor | None] | None = None,
+                 sliding_windows: list[int | None] | None = None):
         """key_turns: per layer, the radians each rotary channel pair of its keys turns over the positions
-        served (TurboQuantLayerCache's calibration), or None."""
+        served (TurboQuantLayerCache's calibration), or None; sliding_windows: per layer, its window or None."""
         n = len(layer_shapes)
         self.turboquant = [kv_dtype.is_turboquant and dense_layers <= i < n - dense_layers for i in range(n)]
         self.kv_dtype = kv_dtype
@@ -93,28 +98,26 @@ class KVCache:
         self.window_dtype = model_dtype if model_dtype.itemsize == 2 else torch.bfloat16
         self.bytes_per_token = self.bytes_per_token_of(layer_shapes, kv_dtype, model_dtype, dense_layers)
         self.block_size = block_size
-        staged_bytes = sum(2 * heads * dim for (heads, dim), tq in zip(layer_shapes, self.turboquant) if tq)
-        block_bytes = block_size * staged_bytes * self.window_dtype.itemsize
-        self._size_window(recent_tokens, sink_tokens, max_num_seqs,
-                          memory // DEFAULT_STAGING_SHARE // max(block_bytes, 1))
-        self.window_memory = self.num_staging * block_bytes
+        self._size_window(recent_tokens, sink_tokens, max_num_seqs, memory // DEFAULT_STAGING_SHARE,
+                          layer_shapes, sliding_windows or [None] * n)
         self.num_blocks = (memory - self.window_memory) // (self.bytes_per_token * block_size)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={memory} bytes is too small for one block "
                              f"({self.bytes_per_token * block_size} bytes) after {self.window_memory} bytes "
                              f"of 16-bit staging (kv_cache_recent_tokens={self.recent_tokens}, "
                              f"kv_cache_sink_tokens={self.sink_tokens})")
-        self.staging = (Staging(self.recent_tokens, self.sink_tokens, self.num_blocks, self.num_staging, block_size,
-                                device) if self.num_staging else None)
+        self.stagings = {window: Staging(*window, self.num_blocks, self._span(window) * self.window_seqs, block_size,
+                                         device) for window in set(filter(None, self.layer_windows))}
         turns = key_turns or [None] * n
         self.layers = [self._layer(i, heads, dim, device, turns[i]) for i, (heads, dim) in enumerate(layer_shapes)]
 
-    def _size_window(self, recent_tokens: int | None, sink_tokens: int | None, max_num_seqs: int,
-                     default_share: int) -> None:
-        """The 16-bit window (recent_tokens, sink_tokens, num_staging) and how many sequences it serves.
+    def _size_window(self, recent_tokens: int | None, sink_tokens: int | None, max_num_seqs: int, default_share: int,
+                     layer_shapes: list[tuple[int, int]], sliding_windows: list[int | None]) -> None:
+        """The 16-bit window (recent_tokens, sink_tokens; layer_windows: each layer's (recent, sinks) or None),
+        how many sequences it serves (window_seqs) and its bytes (window_memory).
 
         Explicit knobs get staging for max_num_seqs sequences. The dtype name's defaults get at most
-        `default_share` staging blocks, whole sequences' worth, and `window_seqs` says how many that is: the
+        `default_share` bytes, whole sequences' worth, and `window_seqs` says how many that is: the
         engine schedules no more at once, so that every sequence it runs reads its window in 16 bits and a
         request's output never depends on what else is running. Too little for one: codes alone."""
         spec = self.kv_dtype
@@ -122,14 +125,28 @@ class KVCache:
         self.sink_tokens = spec.sink_tokens if sink_tokens is None else sink_tokens
         if not spec.is_turboquant:
             self.recent_tokens = self.sink_tokens = 0
-        span = staging_blocks(self.recent_tokens, self.sink_tokens, self.block_size, 1)
+        self.layer_windows = [self._layer_window(tq, sliding) for tq, sliding in zip(self.turboquant, sliding_windows)]
+        row_bytes = 2 * self.block_size * self.window_dtype.itemsize  # a staging block's K and V, per (head, dim)
+        per_seq = sum(self._span(window) * heads * dim * row_bytes
+                      for window, (heads, dim) in zip(self.layer_windows, layer_shapes) if window)
         self.window_seqs = max_num_seqs
-        if span and recent_tokens is None and sink_tokens is None:
-            self.window_seqs = min(max_num_seqs, default_share // span)
+        if per_seq and recent_tokens is None and sink_tokens is None:
+            self.window_seqs = min(max_num_seqs, default_share // per_seq)
             if not self.window_seqs:
-                self.recent_tokens = self.sink_tokens = span = 0
+                self.recent_tokens = self.sink_tokens = per_seq = 0
+                self.layer_windows = [None] * len(layer_shapes)
                 self.window_seqs = max_num_seqs
-        self.num_staging = span * self.window_seqs
+        self.window_memory = per_seq * self.window_seqs
+
+    def _layer_window(self, turboquant: bool, sliding: int | None) -> tuple[int, int] | None:
+        if not turboquant or not (self.recent_tokens or self.sink_tokens):
+            return None
+        if sliding is not None and sliding <= WHOLE_WINDOW_TOKENS:
+            return max(self.recent_tokens, sliding), 0  # sinks older than the window are never read
+        return self.recent_tokens, self.sink_tokens
+
+    def _span(self, window: tuple[int, int] | None) -> int:
+        return staging_blocks(*window, self.block_size, 1) if window else 0
 
     @staticmethod
     def bytes_per_token_of(layer_shapes: list[tuple[int, int]], kv_dtype: KVCacheDtype,
@@ -148,10 +165,8 @@ class KVCache:
         if self.turboquant[index]:
             return TurboQuantLayerCache(self.num_blocks, self.block_size, heads, dim, self.kv_dtype.key_bits,
                                         self.kv_dtype.key_mode, seed=index, device=device,
-                                        recent_tokens=self.recent_tokens, num_staging=self.num_staging,
-                                        dense_dtype=self.window_dtype, sink_tokens=self.sink_tokens,
-                                        value_bits=self.kv_dtype.value_bits, key_turns=key_turns,
-                                        staging=self.staging)
+                                        dense_dtype=self.window_dtype, value_bits=self.kv_dtype.value_bits,
+                                        key_turns=key_turns, staging=self.stagings.get(self.layer_windows[index]))
         return LayerKVCache(self.num_blocks, self.block_size, heads, dim, self.dense_dtype, device)
 
     def describe(self) -> str:
@@ -160,9 +175,11 @@ class KVCache:
         if not spec.is_turboquant:
             return str(self.dense_dtype).replace("torch.", "")
         keys = f"{spec.key_bits:g}-bit keys" + (" (QJL)" if spec.key_mode == "prod" else "")
-        window = (f"newest {self.recent_tokens} and first {self.sink_tokens} tokens in 16 bits, "
+        whole = sorted({w[0] for w in self.layer_windows if w and w != (self.recent_tokens, self.sink_tokens)})
+        sliding = f", sliding layers' whole {'/'.join(map(str, whole))}-token window" if whole else ""
+        window = (f"newest {self.recent_tokens} and first {self.sink_tokens} tokens in 16 bits{sliding}, "
                   f"{self.window_memory / 2**20:.1f} MiB of staging for {self.window_seqs} sequences at once"
-                  if self.num_staging else "codes alone")
+                  if self.window_memory else "codes alone")
         return f"{spec.name} ({keys}, {spec.value_bits:g}-bit values; {window})"
 
     @property

@@ -62,6 +62,7 @@ def _allocate_kv_cache(c: EngineConfig, loaded: LoadedModel, backend: Backend, d
                                          c.block_size, dtype)
     heads = sum(h for h, _ in shapes)  # tensor parallel: a rank with fewer KV heads needs less for the same blocks
     cache = KVCache(shapes, kv_dtype, dtype, memory * heads // agree(heads, "max"), c.block_size, backend.device,
-                    c.kv_cache_dense_layers, c.kv_cache_recent_tokens, c.max_num_seqs, c.kv_cache_sink_tokens, turns)
+                    c.kv_cache_dense_layers, c.kv_cache_recent_tokens, c.max_num_seqs, c.kv_cache_sink_tokens, turns,
+                    [attn.sliding_window for attn in layers])
     cache.num_blocks = agree(cache.num_blocks, "min")  # every rank's block table indexes the same blocks
     return cache

@@ -93,8 +93,11 @@ def test_kernel_on_every_key_value_split(isa):
 @pytest.mark.parametrize("dim", [128, 256])  # Gemma 3: head_dim 256, one KV head, sliding-window layers
 def test_kernel_with_larger_heads(isa, kv_dtype, dim):
     q, cache, meta = _decode_step(kv_dtype, [40, 77], 4, 1, dim=dim)
+    # a score sums `dim` float32 products, in an order the torch path's BLAS picks per CPU: on an AMD EPYC (Zen 4)
+    # up to 1.5e-5 at 256, 3.4e-6 at 128 (outputs up to 4.3)
+    tol = TOL * dim / 64
     for window in (None, 20):
-        assert (_kernel_decode(q, cache, meta, window) - _torch_decode(q, cache, meta, window)).abs().max() < TOL
+        assert (_kernel_decode(q, cache, meta, window) - _torch_decode(q, cache, meta, window)).abs().max() < tol
 
 
 @pytest.mark.parametrize("group", [5, 8])  # the generic, not specialised, group sizes

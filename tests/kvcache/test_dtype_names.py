@@ -53,14 +53,22 @@ def _cache(name: str, memory: int, **knobs) -> KVCache:
     return KVCache(SMOLLM2_SHAPES, spec, torch.bfloat16, memory, 16, torch.device("meta"), max_num_seqs=64, **knobs)
 
 
+def _staging_blocks(cache: KVCache) -> int:
+    return sum(staging.num_staging for staging in cache.stagings.values())
+
+
 def test_the_default_window_takes_at_most_its_share_of_the_budget_and_explicit_knobs_all_they_need():
     memory = 256 * 2**20
     default, explicit = _cache("tq3", memory), _cache("tq3", memory, recent_tokens=64, sink_tokens=4)
     assert default.recent_tokens == 64 and default.sink_tokens == 4
     assert 0 < default.window_memory <= memory // DEFAULT_STAGING_SHARE < explicit.window_memory
-    assert explicit.num_staging == 64 * (5 + 1)  # every sequence: 64 recent tokens span 5 blocks, 4 sinks one
-    assert _cache("tq3", 2**31).num_staging == explicit.num_staging  # a budget with room: no cap
+    assert _staging_blocks(explicit) == 64 * (5 + 1)  # every sequence: 64 recent tokens span 5 blocks, 4 sinks one
+    assert _staging_blocks(_cache("tq3", 2**31)) == _staging_blocks(explicit)  # a budget with room: no cap
     assert _cache("tq3-codes", memory).window_memory == 0
+    gemma = KVCache([(1, 256)] * 18, parse_kv_cache_dtype("tq3", torch.bfloat16), torch.bfloat16, memory, 16,
+                    torch.device("meta"), max_num_seqs=64, sliding_windows=([512] * 5 + [None]) * 3)
+    per_seq = (15 * 33 + 3 * 6) * 16 * 256 * 2 * 2  # sliding layers: 512 tokens span 32 blocks, +1 as it moves
+    assert gemma.window_seqs == memory // DEFAULT_STAGING_SHARE // per_seq and gemma.window_memory == 3 * per_seq
     assert _cache("tq3", memory, recent_tokens=0, sink_tokens=0).window_memory == 0
 
 
@@ -74,9 +82,9 @@ def test_the_engine_takes_the_names_window_unless_told_otherwise(tiny_llama):
 
 
 def test_the_default_window_serves_whole_sequences_or_none():
-    assert _cache("tq3", 256 * 2**20).num_staging % 6 == 0  # 6 staging blocks a sequence
+    assert _staging_blocks(_cache("tq3", 256 * 2**20)) % 6 == 0  # 6 staging blocks a sequence
     tiny = _cache("tq3", 2**23)  # 1/8 of it is less than one sequence's staging: codes alone, all sequences
-    assert (tiny.recent_tokens, tiny.sink_tokens, tiny.num_staging, tiny.window_seqs) == (0, 0, 0, 64)
+    assert (tiny.recent_tokens, tiny.sink_tokens, _staging_blocks(tiny), tiny.window_seqs) == (0, 0, 0, 64)
 
 
 def test_a_default_window_short_of_staging_runs_fewer_sequences_and_outputs_do_not_depend_on_the_batch(tiny_llama):

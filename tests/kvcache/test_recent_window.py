@@ -7,7 +7,7 @@ import torch
 
 from slipstream import LLM
 from slipstream.attention import turboquant
-from slipstream.kvcache.cache import KVCache
+from slipstream.kvcache.cache import WHOLE_WINDOW_TOKENS, KVCache
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 from tests.conftest import step_metadata
@@ -104,6 +104,34 @@ def test_staging_comes_out_of_the_memory_budget():
     assert windowed.window_memory == staged_bytes
     assert windowed.num_blocks == (64 * 2**20 - staged_bytes) // (16 * plain.bytes_per_token)
     assert windowed.bytes_per_token == plain.bytes_per_token
+
+
+def test_a_short_sliding_window_is_kept_whole_in_16_bits_and_read_without_codes():
+    spec = parse_kv_cache_dtype("tq3", torch.float32)
+    kv = KVCache([(KV_HEADS, DIM)] * 3, spec, torch.float32, 2**22, BLOCK, torch.device("cpu"), recent_tokens=2,
+                 max_num_seqs=2, sink_tokens=1, sliding_windows=[RECENT, None, WHOLE_WINDOW_TOKENS + 1])
+    sliding, full, long_sliding = kv.layers
+    assert (sliding.window.tokens, sliding.window.sinks) == (RECENT, 0)  # no sinks: never inside the window
+    assert (full.window.tokens, full.window.sinks) == (long_sliding.window.tokens, long_sliding.window.sinks) == (2, 1)
+    assert kv.window_memory == 2 * (3 + 2 * 3) * BLOCK * KV_HEADS * DIM * 2 * 2  # seqs x blocks (3 a window) x tokens x K,V bf16
+    g = torch.Generator().manual_seed(3)
+    sliding.calibrate(torch.randn(32, HEADS, DIM, generator=g), torch.randn(32, KV_HEADS, DIM, generator=g) * 3,
+                      torch.randn(32, KV_HEADS, DIM, generator=g))
+    exact = {s: (torch.randn(16, KV_HEADS, DIM, generator=g), torch.randn(16, KV_HEADS, DIM, generator=g))
+             for s in TABLES}
+    for decodes, prefills in [([], [("a", 0, 10), ("b", 0, 7)]), ([("b", 7)], [("a", 10, 5)]), ([("a", 15)], [])]:
+        rows = [(s, p) for s, p in decodes] + [(s, p) for s, first, n in prefills for p in range(first, first + n)]
+        k, v = (torch.stack([exact[s][i][p] for s, p in rows]) for i in (0, 1))
+        q = torch.randn(len(rows), HEADS, DIM, generator=g)
+        out = turboquant.paged_attention(q, k, v, sliding, _step(decodes, prefills), SCALE, RECENT)
+        for row, (seq, pos) in enumerate(rows):
+            fresh = any(s == seq and first == 0 for s, first, _ in prefills)  # a first chunk reads its own k/v
+            seen = slice(max(0, pos + 1 - RECENT), pos + 1)
+            keys, values = ((x if fresh else x.bfloat16().float())[seen].repeat_interleave(HEADS // KV_HEADS, 1)
+                            for x in exact[seq])
+            probs = (torch.einsum("hd,thd->ht", q[row], keys) * SCALE).softmax(-1)
+            want = torch.einsum("ht,thd->hd", probs, values)
+            assert torch.allclose(out[row], want, atol=1e-5), (seq, pos, (out[row] - want).abs().max())
 
 
 def _tiny_tq3(tiny_llama, blocks: int, **knobs) -> LLM:
