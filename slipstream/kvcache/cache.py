@@ -78,7 +78,7 @@ class KVCache:
     With TurboQuant, the first and last `dense_layers` layers keep a bf16/fp32 cache, and
     with `recent_tokens` R or `sink_tokens` S > 0 each TurboQuant layer also keeps the newest R and
     the first S tokens of up to `max_num_seqs` sequences in 16 bits (`RecentWindow`), a sliding-window layer
-    whose window W is at most WHOLE_WINDOW_TOKENS its newest max(R, W) instead; that staging
+    whose window W is at most WHOLE_WINDOW_TOKENS its newest W instead; that staging
     memory is taken from `memory` before the blocks are counted. With both None (the dtype name's
     defaults) the staging takes at most 1/DEFAULT_STAGING_SHARE of `memory`, so a default never costs
     most of a small budget: `window_seqs` then says how many sequences it serves at once.
@@ -142,7 +142,7 @@ class KVCache:
         if not turboquant or not (self.recent_tokens or self.sink_tokens):
             return None
         if sliding is not None and sliding <= WHOLE_WINDOW_TOKENS:
-            return max(self.recent_tokens, sliding), 0  # sinks older than the window are never read
+            return sliding, 0  # the layer reads nothing older, sinks included
         return self.recent_tokens, self.sink_tokens
 
     def _span(self, window: tuple[int, int] | None) -> int:
