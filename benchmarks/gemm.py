@@ -48,8 +48,9 @@ def paths(k: int, n: int, capability: CpuCapability) -> dict[str, tuple]:
     layers = [Linear(k, n, bias=False).bfloat16() for _ in range(max(1, min(48, int(COLD_BYTES // (2 * k * n)))))]
     weights = [layer.weight.detach() for layer in layers]
     native = capability.gemm
-    int8 = bound(layers, NativeInt8(GemmPolicy(capability.amx_kernels)) if native else QUANTIZED["int8"])
-    int4 = bound(layers, NativeInt4(GemmPolicy(capability.amx_kernels)) if native else QUANTIZED["int4"])
+    policy = GemmPolicy(capability.amx_kernels, invariant=False)
+    int8 = bound(layers, NativeInt8(policy) if native else QUANTIZED["int8"])
+    int4 = bound(layers, NativeInt4(policy) if native else QUANTIZED["int4"])
     dequantized = lambda x, q: F.linear(x.float(), q.method.dequantized(q, torch.float32)).bfloat16()  # noqa: E731
     few = slice(0, 4)  # the fp32 copies are large, and these paths are compute bound anyway
     table = {
