@@ -116,7 +116,8 @@ def test_a_short_sliding_window_is_kept_whole_in_16_bits_and_read_without_codes(
     longer_recent = KVCache([(KV_HEADS, DIM)], spec, torch.float32, 2**22, BLOCK, torch.device("meta"),
                             recent_tokens=4 * RECENT, sink_tokens=0, sliding_windows=[RECENT])
     assert longer_recent.layer_windows == [(RECENT, 0)]  # no more than the layer reads
-    assert kv.window_memory == 2 * (3 + 2 * 3) * BLOCK * KV_HEADS * DIM * 2 * 2  # seqs x blocks (3 a window) x tokens x K,V bf16
+    # sequences x staging blocks (3 a window, 3 windows) x tokens x K, V in bf16
+    assert kv.window_memory == 2 * (3 + 2 * 3) * BLOCK * KV_HEADS * DIM * 2 * 2
     g = torch.Generator().manual_seed(3)
     sliding.calibrate(torch.randn(32, HEADS, DIM, generator=g), torch.randn(32, KV_HEADS, DIM, generator=g) * 3,
                       torch.randn(32, KV_HEADS, DIM, generator=g))
