@@ -14,12 +14,14 @@ import torch
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.build import cpu_flags
 from slipstream.backends.cpu.capability import CpuCapability, usable_flags
+from slipstream.backends.cpu.linear import ONEDNN_BF16_MIN_ROWS
 from slipstream.backends.cuda.backend import CudaBackend
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.backends.select import select_backend
 
 AMX_FLAGS = {"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma"}
 AVX512_FLAGS = AMX_FLAGS - {"amx_bf16", "amx_int8", "amx_tile"}
+NO_BF16 = AVX512_FLAGS - {"avx512_bf16"}  # AVX-512 with VNNI but no bf16 arithmetic (a cpu model 207 here)
 
 
 def build(isa: str, gemm: bool, amx: bool):
@@ -72,6 +74,28 @@ def test_deterministic_chooses_the_invariant_policy_or_the_fastest(kind, determi
         assert ("for every row count" in lines["linear"]) == deterministic
 
 
+def test_amd_bf16_dot_products_take_onednn_for_bf16_batches_and_no_upcast():
+    """AMD's AVX-512 BF16 (Zen 4) issues bf16 dot products at the float32 FMA's rate: oneDNN's bf16 GEMM
+    from ONEDNN_BF16_MIN_ROWS rows of bf16 weights, codes on the loops at every size, nothing upcast to
+    float32, and invariance (which would keep the loops) off by default; an Intel CPU with the same flags,
+    or an AMD one without avx512_bf16, keeps the measured Intel policy."""
+    amd = CpuCapability(frozenset(AVX512_FLAGS), build("native", True, False), "native", vendor="AuthenticAMD")
+    backend = CpuBackend(amd)
+    assert amd.bf16_dots_win and not backend.batch_invariant and backend.every_query_native
+    policy = backend.policy
+    assert policy.kernel("bf16", ONEDNN_BF16_MIN_ROWS - 1, 576) == "avx512"
+    assert policy.kernel("bf16", ONEDNN_BF16_MIN_ROWS, 576) is None
+    assert policy.kernel("int8", 4096, 576) == policy.kernel("int4", 4096, 576) == "avx512"
+    assert policy.decode_stack_max_tokens() is None
+    assert not backend.native[None].upcast and not backend.experts.upcast and backend.experts.kernel is None
+    assert CpuBackend(amd, deterministic=True).experts.kernel == "avx512"
+    assert "oneDNN's bf16 GEMM above" in next(line for line in backend.describe() if line.startswith("linear:"))
+    for other in (CpuCapability(frozenset(AVX512_FLAGS), amd.kernels, "native", vendor="GenuineIntel"),
+                  CpuCapability(frozenset(NO_BF16), amd.kernels, "native", vendor="AuthenticAMD")):
+        assert not other.bf16_dots_win and CpuBackend(other).policy.kernel("bf16", 128, 576) == "avx512"
+    assert CpuBackend(amd, deterministic=True).policy.kernel("bf16", 4096, 576) == "avx512"
+
+
 @pytest.mark.parametrize("kind", ["avx2", "torch-on-amx"])
 def test_deterministic_true_is_refused_where_no_kernel_is_invariant(kind, monkeypatch):
     from slipstream.backends import select
@@ -116,9 +140,6 @@ def test_info_prints_the_backend_of_this_machine():
     lines = out.stdout.splitlines()
     backend = CpuBackend(CpuCapability.detect())
     assert backend.describe() == [line for line in lines if not line.startswith(("torch ", "tensor parallel: "))]
-
-
-NO_BF16 = AVX512_FLAGS - {"avx512_bf16"}  # AVX-512 with VNNI but no bf16 arithmetic (a cpu model 207 here)
 
 
 @pytest.mark.parametrize("flags,kernels,dtype", [

@@ -24,8 +24,9 @@ from slipstream.backends.cpu.decode_stack import DecodeStack
 from slipstream.backends.cpu.gguf_linear import (DEQUANTIZE_MIN_ROWS, NativeBlocks, NativeGGUF, NativeQ8, Segmented,
                                                  repackable)
 from slipstream.backends.cpu.gguf_repack import REPACKED
-from slipstream.backends.cpu.linear import (INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS, GemmPolicy,
-                                            NativeBf16, NativeInt4, NativeInt8, OneDnnBf16, Upcast, native_fits)
+from slipstream.backends.cpu.linear import (INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, ONEDNN_BF16_MIN_ROWS, UPCAST_MIN_ROWS,
+                                            GemmPolicy, NativeBf16, NativeInt4, NativeInt8, OneDnnBf16, Upcast,
+                                            native_fits)
 from slipstream.backends.cpu.moe import UPCAST_MIN_TOKENS, CpuExperts
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
@@ -37,21 +38,33 @@ from slipstream.layers.moe import Experts, ExpertsMethod
 class CpuBackend(ReferenceBackend):
     def __init__(self, capability: CpuCapability, deterministic: bool | None = None):
         """deterministic: batch-invariant kernels (True), the fastest (False), or invariant where
-        that is free (None: without AMX; on AMX the fast paths' row-count choices win up to 2x)."""
+        that is free (None: without AMX or AMD's bf16 dot products; with them the fast paths' row-count
+        choices win up to 2x)."""
         super().__init__(torch.device("cpu"))
         self.capability = capability
         self.runs_gguf_blocks = capability.kernels is not None
-        self.batch_invariant = capability.gemm and (not capability.amx_kernels if deterministic is None
-                                                    else deterministic)
-        self.policy = GemmPolicy(amx=capability.amx_kernels, invariant=self.batch_invariant)
-        upcast = not capability.amx  # without AMX, float32 GEMMs beat oneDNN's bf16 on large batches
+        costly = capability.amx_kernels or capability.bf16_dots_win  # invariance forgoes a faster GEMM
+        self.batch_invariant = capability.gemm and (not costly if deterministic is None else deterministic)
+        self.policy = GemmPolicy(capability.amx_kernels, self.batch_invariant, capability.bf16_dots_win)
+        # float32 GEMMs beat oneDNN's bf16 on large batches, unless AMX or AMD's bf16 dot products serve it
+        upcast = not (capability.amx or capability.bf16_dots_win)
         self.native = {None: NativeBf16(self.policy, upcast), "int8": NativeInt8(self.policy),
                        "int4": NativeInt4(self.policy)}
         q8, nibbles = NativeQ8(self.policy, upcast), NativeBlocks(self.policy, upcast)
         self.repacked = {fmt: q8 if fmt == "Q8_0" else nibbles for fmt in REPACKED}
         self.bf16 = OneDnnBf16(upcast) if torch.backends.mkldnn.is_available() else Upcast(upcast)
-        expert_kernel = ("amx" if capability.amx_kernels else "avx512") if capability.moe_expert else None
+        # oneDNN's bf16 experts outrun moe_expert.c's float32 FMAs at every group size where bf16 dots win
+        # (Mixtral-shaped expert, AMD Zen 4, 1 thread: 56 / 26 GFLOP/s at 8 tokens, 193 / 101 at 256)
+        kernel = capability.moe_expert and not (capability.bf16_dots_win and not self.batch_invariant)
+        expert_kernel = ("amx" if capability.amx_kernels else "avx512") if kernel else None
         self.experts = CpuExperts(expert_kernel, upcast, self.batch_invariant)
+
+    @property
+    def every_query_native(self) -> bool:
+        """Prefill queries over a bf16 cache through paged_attention.c too: batch invariance needs it, and
+        its AVX-512 build outruns torch's SDPA without AMX (SmolLM2, 512 tokens, AMD Zen 4: ~3 against 5.4
+        ms a layer; SDPA on AMX tiles: 3.1-3.5 against 10.4-11.4, README)."""
+        return self.batch_invariant or self.capability.gemm and not self.capability.amx_kernels
 
     @property
     def name(self) -> str:
@@ -67,8 +80,8 @@ class CpuBackend(ReferenceBackend):
                 return functools.partial(turboquant.paged_attention, decode_kernel=turboquant_decode,
                                          prefill_kernel=turboquant_prefill)
             if isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16:
-                return dense_attention if self.batch_invariant else functools.partial(reference.paged_attention,
-                                                                                      decode_kernel=dense_decode)
+                return dense_attention if self.every_query_native else functools.partial(reference.paged_attention,
+                                                                                         decode_kernel=dense_decode)
         return super().attention(cache)
 
     def linear_method(self, layer: Linear, fmt: str | None) -> LinearMethod:
@@ -104,7 +117,7 @@ class CpuBackend(ReferenceBackend):
 
     def describe(self) -> list[str]:
         cap, native = self.capability, self.capability.kernels is not None
-        prefill = "paged_attention.c for every query" if self.batch_invariant else "native decode kernels"
+        prefill = "paged_attention.c for every query" if self.every_query_native else "native decode kernels"
         dtype, why = _default_dtype(cap)
         return [f"backend {self.name}: {cap.summary()}",
                 f"dtype auto: {str(dtype).removeprefix('torch.')} ({why})",
@@ -134,11 +147,15 @@ def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
         return f"packed weights on AMX tiles ({rows} rows{widened}), AVX-512 loops below (kernels/gemm.c)"
     if cap.gemm and policy.invariant:
         return "packed weights on AVX-512 loops (kernels/gemm.c) for every row count"
+    if cap.gemm and policy.bf16_dots:
+        return (f"packed weights on AVX-512 loops (kernels/gemm.c), below {ONEDNN_BF16_MIN_ROWS} rows in bf16 "
+                "(oneDNN's bf16 GEMM above: the CPU's bf16 dot products), at every row count in int8/int4")
     if cap.gemm:
         return (f"packed weights on AVX-512 loops (kernels/gemm.c) below {NATIVE_MAX_ROWS} rows in bf16, "
                 f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")
-    upcast = "oneDNN bf16 (AMX) above" if cap.amx else "float32 GEMMs above"
-    return f"oneDNN packed bf16 weights below {UPCAST_MIN_ROWS} rows, {upcast}; int8/int4 on PyTorch's kernels"
+    above = ("oneDNN bf16 (AMX) above" if cap.amx else "oneDNN bf16 (dot products) above" if cap.bf16_dots_win
+             else "float32 GEMMs above")
+    return f"oneDNN packed bf16 weights below {UPCAST_MIN_ROWS} rows, {above}; int8/int4 on PyTorch's kernels"
 
 
 def _gguf_policy(cap: CpuCapability, native: bool) -> str:

@@ -126,6 +126,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo("flags").partition(":")[2].split())
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where it cannot be read)."""
+    return _cpuinfo("vendor_id").partition(":")[2].strip()
+
+
 @functools.cache
 def _cpuinfo(key: str) -> str:
     """The first /proc/cpuinfo line starting with `key`, or "" where there is none."""

@@ -29,15 +29,16 @@ class CpuCapability:
     kernels: abi.Kernels | None  # the engine's native kernels, None when off or not built
     isa: str                     # the kernels' build (build.ISAS)
     no_kernels_reason: str = ""
+    vendor: str = ""             # /proc/cpuinfo's vendor_id
 
     @classmethod
     def detect(cls) -> CpuCapability:
         flags = usable_flags(build.cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA", "DEFAULT"))
         if not build.ENABLED:
-            return cls(flags, None, build.ISA, "SLIPSTREAM_NATIVE=0")
+            return cls(flags, None, build.ISA, "SLIPSTREAM_NATIVE=0", build.cpu_vendor())
         kernels = abi.kernels()
         reason = "" if kernels is not None else f"they did not build with {build.COMPILER!r} (see the warning above)"
-        return cls(flags, kernels, build.ISA, reason)
+        return cls(flags, kernels, build.ISA, reason, build.cpu_vendor())
 
     @property
     def amx(self) -> bool:
@@ -48,6 +49,13 @@ class CpuCapability:
     def bf16_arithmetic(self) -> bool:
         """The CPU multiplies bf16 itself (AVX-512 BF16 dot products, AMX tiles)."""
         return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+
+    @property
+    def bf16_dots_win(self) -> bool:
+        """Without AMX, oneDNN's bf16 GEMMs outrun float32 ones and gemm.c's loops on batches: AMD's
+        AVX-512 BF16 (Zen 4 on) issues `vdpbf16ps` as fast as a float32 FMA, for twice the multiply-adds.
+        Intel's AVX-512 cores without AMX measured the other way (backends/cpu/linear.py)."""
+        return not self.amx and "avx512_bf16" in self.flags and self.vendor == "AuthenticAMD"
 
     @property
     def gemm(self) -> bool:

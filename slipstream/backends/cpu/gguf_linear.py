@@ -11,7 +11,7 @@ dword per group and column, and each format's scales (float16 d and m; k-quants'
 256 with a 6-bit scale and minimum per group; Q6_K's int8 scale per 16): AVX-512 loops, AMX tiles
 for prefill, the fused decode stack, wherever the GemmPolicy gives int4 one. One
 core of the AMX machine, one row: SmolLM2's gate_up (Q4_1) 31 us against gguf_gemm.c's 117; Gemma
-3's (Q5_0) 80 against 272. Q8_0 takes the int8 loops below UPCAST_MIN_ROWS (SmolLM2's LM head:
+3's (Q5_0) 80 against 272. Q8_0 takes the int8 loops wherever the policy gives int8 (SmolLM2's LM head:
 0.73 vs 1.55 ms per decode step, 2 threads). A projection fused from two formats (`Segmented`)
 runs each part on its own method; a tied embedding reads its rows through `Repacked.rows`.
 
@@ -36,7 +36,7 @@ from torch import nn
 
 from slipstream.backends.cpu import abi
 from slipstream.backends.cpu.gguf_repack import REPACKED, dequantized, repack, selected
-from slipstream.backends.cpu.linear import UPCAST_MIN_ROWS, GemmPolicy, NativeCodes, dense_linear, native_matmul
+from slipstream.backends.cpu.linear import GemmPolicy, NativeCodes, dense_linear, native_matmul
 from slipstream.layers.gguf_linear import BlockRows, GGUFLinear, segments, split_segments
 from slipstream.layers.linear import Linear, LinearMethod
 
@@ -187,17 +187,17 @@ def _blocks(layer: Linear) -> abi.Blocks:
 
 
 class NativeQ8(NativeCodes, Repacked):
-    """Repacked Q8_0 on gemm.c's int8 loops with a float16 scale per group (`gemm_q8`): below
-    UPCAST_MIN_ROWS rows, or at every row count where batch invariance asks it (it has no AMX
-    form); in the decode stack at every row count it serves."""
+    """Repacked Q8_0 on gemm.c's int8 loops with a float16 scale per group (`gemm_q8`): for the rows
+    the policy gives int8 its loops, or at every row count where batch invariance asks it (it has no
+    AMX form); in the decode stack at every row count it serves."""
 
     def __init__(self, policy: GemmPolicy, upcast: bool):
         super().__init__(upcast)
         self.policy = policy
 
     def _kernel(self, layer: Linear, x: torch.Tensor) -> str | None:
-        native = x.dtype == torch.bfloat16 and (self.policy.invariant or x.shape[0] < UPCAST_MIN_ROWS)
-        return "avx512" if native else None
+        loops = self.policy.invariant or x.shape[0] < self.policy.native_max_rows("int8")
+        return "avx512" if x.dtype == torch.bfloat16 and loops else None
 
     def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
         return native_matmul(x, layer.packed, layer.packed_scale, kernel=kernel)

@@ -1,6 +1,6 @@
 """The CPU backend's linear methods: which GEMM serves how many rows, per weight format and CPU.
 
-Without AMX, measured on one core of the development machine (AVX512-BF16, no AMX), torch
+Without AMX, measured on one core of an Intel development machine (AVX-512, no AMX), torch
 2.13, CPU time of one thread:
 - large batches (prefill chunks, big expert groups): oneDNN's bf16 GEMM runs at 71-77
   GFLOP/s against ~125 for fp32, so batches of at least UPCAST_MIN_ROWS rows upcast to
@@ -14,6 +14,11 @@ Without AMX, measured on one core of the development machine (AVX512-BF16, no AM
   `OneDnnBf16` packs for oneDNN's own layout below UPCAST_MIN_ROWS, 1.2-1.8x faster than
   `F.linear` on the plain weight at 1-16 rows. The plain weight stays for the upcast path.
 
+AMD's AVX-512 BF16 cores (Zen 4: `CpuCapability.bf16_dots_win`) are the other case: `vdpbf16ps`
+issues as fast as a float32 FMA for twice the multiply-adds, so oneDNN's bf16 GEMM on the plain
+weight beats the loops from ONEDNN_BF16_MIN_ROWS rows and the upcast at every size; nothing
+upcasts there (`GemmPolicy(bf16_dots=True)`).
+
 With AMX, the tile kernels of kernels/gemm.c read the same packed weights from AMX_MIN_ROWS
 rows on, at every larger size. Large bf16 batches of shapes they cannot tile go to oneDNN,
 which uses AMX itself. int8 and int4 codes (layers/quantization.py) get packed copies for
@@ -24,10 +29,13 @@ rows share the call, so every packed layer keeps one reduction order at every ro
 a library GEMM or an fp32 upcast that blocks K by M. AMX's bf16 dot products do not round as
 the AVX-512 FMAs do, so bf16 and int4 (whose AMX kernel widens codes to bf16) take the tiles
 from one row; int8 takes exact integer sums of 16-bit fixed-point activations on both, added
-to float32 in the same chunks (never widened to bf16), so it may switch by rows. Without AMX
-the AVX-512 loops at 512 rows (107-120 GFLOP/s) beat the upcast (95-108), so it is free there.
+to float32 in the same chunks (never widened to bf16), so it may switch by rows. On Intel without
+AMX the AVX-512 loops at 512 rows (107-120 GFLOP/s) beat the upcast (95-108), so it is free there;
+where bf16 dot products win it costs half of oneDNN's rate on bf16 prefill.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -48,14 +56,22 @@ INT8_WIDEN_MIN_ROWS = 128  # int8 on AMX: codes widened to bf16 tiles beat the i
 AMX_MIN_ROWS = {"bf16": 8, "int8": 8, "int4": 16}
 INVARIANT_AMX_MIN_ROWS = {"bf16": 1, "int8": 8, "int4": 1}  # their AMX and AVX-512 sums round differently
 AMX_K_MULTIPLE = {"bf16": 32, "int8": 64, "int4": 32}
+# Where bf16 dot products win (CpuCapability.bf16_dots_win), benchmarks/gemm.py on the AMD Zen 4 machine
+# (1 thread, GFLOP/s loops / oneDNN bf16 on the plain weight) for SmolLM2's qkv, gate_up, down: at 16 rows
+# 95/76, 101/83, 101/97; at 32 rows 102/116, 107/125, 106/139; at 512 rows 110/204, 111/200, 112/217.
+# Codes stay on the loops at every size: int4 at 512 rows 171, 171, 153 against 170, 156, 147 for
+# dequantizing to bf16 per call and oneDNN (int8 160, 152, 164 against 205, 191, 207: 1.2x left, for a policy
+# with one rule fewer; at 128 rows they tie).
+ONEDNN_BF16_MIN_ROWS = 32
 
 
 class GemmPolicy:
     """Which kernel of kernels/gemm.c multiplies how many rows, on a CPU with or without usable
     AMX tiles; `invariant`: each row's product the same bits at any row count."""
 
-    def __init__(self, amx: bool, invariant: bool):
-        self.amx, self.invariant = amx, invariant
+    def __init__(self, amx: bool, invariant: bool, bf16_dots: bool = False):
+        """bf16_dots: oneDNN's bf16 GEMM outruns the loops from ONEDNN_BF16_MIN_ROWS rows (no AMX)."""
+        self.amx, self.invariant, self.bf16_dots = amx, invariant, bf16_dots
         self.amx_min_rows = INVARIANT_AMX_MIN_ROWS if invariant else AMX_MIN_ROWS
 
     def kernel(self, fmt: str, rows: int, k: int) -> str | None:
@@ -65,9 +81,15 @@ class GemmPolicy:
         if self.amx_serves(fmt, rows) and k % AMX_K_MULTIPLE[fmt] == 0:
             widen = fmt == "int8" and not self.invariant and rows >= INT8_WIDEN_MIN_ROWS
             return "amx_widened" if widen else "amx"
-        if self.invariant or rows < (NATIVE_MAX_ROWS if fmt == "bf16" else UPCAST_MIN_ROWS):
+        if self.invariant or rows < self.native_max_rows(fmt):
             return "avx512"
         return None
+
+    def native_max_rows(self, fmt: str) -> float:
+        """Without AMX, from how many rows a torch GEMM beats the loops on `fmt` weights."""
+        if self.bf16_dots:
+            return ONEDNN_BF16_MIN_ROWS if fmt == "bf16" else math.inf
+        return NATIVE_MAX_ROWS if fmt == "bf16" else UPCAST_MIN_ROWS
 
     def amx_serves(self, fmt: str, rows: int) -> bool:
         """Whether the AMX kernels take `rows` rows of `fmt` weights whose K they can tile."""
@@ -76,7 +98,7 @@ class GemmPolicy:
     def decode_stack_max_tokens(self) -> int | None:
         """Decode batches from this many tokens leave the fused stack: without AMX the AVX-512
         GEMMs lose to the fp32 upcast there, unless invariance keeps them (None: every size)."""
-        return None if self.amx or self.invariant else UPCAST_MIN_ROWS
+        return None if self.amx or self.invariant or self.bf16_dots else UPCAST_MIN_ROWS
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcast: bool) -> torch.Tensor:

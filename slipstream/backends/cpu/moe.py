@@ -11,7 +11,9 @@ dense layers), where float32 FMAs outrun bf16 dot products:
   block into one small reused buffer for MKL's float32 GEMM, and the group's activations stay
   float32 until the weighted sum is rounded back once.
 
-Smaller groups run in bf16 either way. On a CPU with AMX every group of a SiLU expert (H, I
+Smaller groups run in bf16 either way. Where bf16 dot products outrun float32 FMAs (AMD Zen 4:
+`CpuCapability.bf16_dots_win`), every group runs in bf16 on oneDNN, the kernel only where
+batch invariance needs it (backend.py). On a CPU with AMX every group of a SiLU expert (H, I
 multiples of 32) is one call of the kernel's AMX version: bf16 tiles, the expert's weights
 packed for them a panel at a time, silu(gate) * up rounded to bf16 once, the weighted sums
 added into one float32 output; it beats oneDNN's AMX kernel on the same expert at every group
