@@ -80,12 +80,15 @@ def test_disabled_native_kernels_fall_back(no_native_kernels):
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_the_backend_binds_the_kernel_to_bf16_caches_only(isa, deterministic):
-    """Every query through the kernel where batch-invariant, else decode rows only (SDPA for prefill)."""
+    """Every query through the kernel where batch-invariant or where its AVX-512 build runs without AMX (it
+    outruns SDPA there), else decode rows only (SDPA for prefill)."""
     backend = CpuBackend(CpuCapability.detect(), deterministic)
     assert backend.batch_invariant == (deterministic and backend.capability.gemm)  # builds without gemm.c: never
     _, cache, _ = _decode_step([3], 4, 1)
     bound = backend.attention(cache)
-    if backend.batch_invariant:
+    cap = backend.capability
+    assert backend.every_query_native == (backend.batch_invariant or cap.gemm and not cap.amx_kernels)
+    if backend.every_query_native:
         assert bound is dense_attention
     else:
         assert bound.func is reference.paged_attention and bound.keywords == {"decode_kernel": dense_decode}
