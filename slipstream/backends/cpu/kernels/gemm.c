@@ -186,6 +186,16 @@ int gelu_tanh_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t token
 // `gemm_q8` is the same with a float16 scale per group of 32 K steps and column instead, [N/16][K/32][16]
 // (GGUF's Q8_0 repacked from a file's blocks): the sums move to float32 times their group's scale
 // every group.
+// One row's prefetches (tile_int8, tile_int4): Intel's cores measured best asking for the next tile's lines into
+// L1, AMD's Zen 4 (gcc 12 names it znver3) for the tile after it into L2: SmolLM2 as stored, one thread, 8.73 ->
+// 7.12 ms a decode step (medians of 3, alternated); at two threads 5.57 -> 5.47 (medians of 9, noise +-10%).
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define ROW_PREFETCH _MM_HINT_T1
+#define ROW_PREFETCH_TILES 2
+#else
+#define ROW_PREFETCH _MM_HINT_T0
+#define ROW_PREFETCH_TILES 1
+#endif
 #define INT8_FLUSH 128
 #define Q8_GROUP 32
 
@@ -236,10 +246,12 @@ static inline __attribute__((always_inline)) void tile_int8(const int16_t *xq, c
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_si512();
         for (int j = 0; mr == 1 && group_scale && j < nr; j++)  // as the codes below, the next tile's scales
-            _mm_prefetch((const char *)(group_scale + ((nr + j) * groups + first / (Q8_GROUP / 2)) * 16), _MM_HINT_T0);
+            _mm_prefetch((const char *)(group_scale +
+                                        ((ROW_PREFETCH_TILES * nr + j) * groups + first / (Q8_GROUP / 2)) * 16),
+                         ROW_PREFETCH);
         for (int64_t q = first / 2; q < last / 2; q++) {
-            for (int j = 0; mr == 1 && j < nr; j++)  // one row: the next tile's line asked for (see tile_int4)
-                _mm_prefetch((const char *)(w + ((nr + j) * k / 4 + q) * 64), _MM_HINT_T0);
+            for (int j = 0; mr == 1 && j < nr; j++)  // one row: a later tile's line asked for (see tile_int4)
+                _mm_prefetch((const char *)(w + ((ROW_PREFETCH_TILES * nr + j) * k / 4 + q) * 64), ROW_PREFETCH);
             for (int half = 0; half < 2; half++) {  // pair steps 2q and 2q + 1, in order
                 __m512i b[NR];
                 for (int j = 0; j < nr; j++) {
@@ -421,15 +433,15 @@ static inline void scale_and_low(const GroupScales *gs, int kind, int64_t at, in
 
 // Asks for what a 16-column block's group at `at` (as scale_and_low takes it) reads besides its codes.
 static inline void prefetch_scales(const GroupScales *gs, int kind, int64_t at) {
-    if (planes_of(kind) > 0) _mm_prefetch((const char *)(gs->high + at), _MM_HINT_T0);
-    if (planes_of(kind) > 1) _mm_prefetch((const char *)(gs->sixth + at), _MM_HINT_T0);
+    if (planes_of(kind) > 0) _mm_prefetch((const char *)(gs->high + at), ROW_PREFETCH);
+    if (planes_of(kind) > 1) _mm_prefetch((const char *)(gs->sixth + at), ROW_PREFETCH);
     if (gs->group) {
-        _mm_prefetch((const char *)(gs->group + at * 2), _MM_HINT_T0);
+        _mm_prefetch((const char *)(gs->group + at * 2), ROW_PREFETCH);
         return;
     }
     int size = gs->half ? 2 : 4;
-    _mm_prefetch((const char *)gs->scale + at * size, _MM_HINT_T0);
-    if (gs->low) _mm_prefetch((const char *)gs->low + at * size, _MM_HINT_T0);
+    _mm_prefetch((const char *)gs->scale + at * size, ROW_PREFETCH);
+    if (gs->low) _mm_prefetch((const char *)gs->low + at * size, ROW_PREFETCH);
 }
 
 // scales: the first of this tile's 16-column block in gs; x_scale: x's per group, row after row
@@ -448,13 +460,13 @@ static inline __attribute__((always_inline)) void tile_int4(const int16_t *xq, c
             high[j] = planes_of(kind) > 0 ? _mm512_loadu_si512(gs->high + at) : _mm512_setzero_si512();
             sixth[j] = planes_of(kind) > 1 ? _mm512_loadu_si512(gs->sixth + at) : _mm512_setzero_si512();
         }
-        // One row (decode) reads each weight once, from memory: the next tile's group g is asked for now, a
-        // tile of arithmetic before its use (the hardware prefetchers, which lose a stream at each tile's edge
-        // and start each column block cold, left loads and arithmetic taking turns)
+        // One row (decode) reads each weight once, from memory: a later tile's group g is asked for now, one or
+        // two tiles of arithmetic before its use (ROW_PREFETCH; the hardware prefetchers, which lose a stream at
+        // each tile's edge and start each column block cold, left loads and arithmetic taking turns)
         for (int j = 0; mr == 1 && j < nr; j++) {
-            const char *next = (const char *)(w + ((nr + j) * k / 8 + g * GROUP / 8) * 64);
-            for (int line = 0; line < 4; line++) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
-            prefetch_scales(gs, kind, scales + ((nr + j) * groups + g) * 16);
+            const char *next = (const char *)(w + ((ROW_PREFETCH_TILES * nr + j) * k / 8 + g * GROUP / 8) * 64);
+            for (int line = 0; line < 4; line++) _mm_prefetch(next + 64 * line, ROW_PREFETCH);
+            prefetch_scales(gs, kind, scales + ((ROW_PREFETCH_TILES * nr + j) * groups + g) * 16);
         }
         int halves = kind == Q6K ? 2 : 1;  // Q6_K's scales change every 16 K steps
         for (int h = 0; h < halves; h++) {
