@@ -14,7 +14,7 @@ import torch
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.build import cpu_flags
 from slipstream.backends.cpu.capability import CpuCapability, usable_flags
-from slipstream.backends.cpu.linear import ONEDNN_BF16_MIN_ROWS
+from slipstream.backends.cpu.linear import DOTS_MIN_ROWS, ONEDNN_BF16_MIN_ROWS
 from slipstream.backends.cuda.backend import CudaBackend
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.backends.select import select_backend
@@ -76,7 +76,8 @@ def test_deterministic_chooses_the_invariant_policy_or_the_fastest(kind, determi
 
 def test_amd_bf16_dot_products_take_onednn_for_bf16_batches_and_no_upcast():
     """AMD's AVX-512 BF16 (Zen 4) issues bf16 dot products at the float32 FMA's rate: oneDNN's bf16 GEMM
-    from ONEDNN_BF16_MIN_ROWS rows of bf16 weights, codes on the loops at every size, nothing upcast to
+    from ONEDNN_BF16_MIN_ROWS rows of bf16 weights, 4-bit codes widened for gemm.c's dot products from
+    DOTS_MIN_ROWS, int8 codes on the loops at every size, nothing upcast to
     float32, and invariance (which would keep the loops) off by default; an Intel CPU with the same flags,
     or an AMD one without avx512_bf16, keeps the measured Intel policy."""
     amd = CpuCapability(frozenset(AVX512_FLAGS), build("native", True, False), "native", vendor="AuthenticAMD")
@@ -85,7 +86,8 @@ def test_amd_bf16_dot_products_take_onednn_for_bf16_batches_and_no_upcast():
     policy = backend.policy
     assert policy.kernel("bf16", ONEDNN_BF16_MIN_ROWS - 1, 576) == "avx512"
     assert policy.kernel("bf16", ONEDNN_BF16_MIN_ROWS, 576) is None
-    assert policy.kernel("int8", 4096, 576) == policy.kernel("int4", 4096, 576) == "avx512"
+    assert policy.kernel("int8", 4096, 576) == policy.kernel("int4", DOTS_MIN_ROWS - 1, 576) == "avx512"
+    assert policy.kernel("int4", DOTS_MIN_ROWS, 576) == policy.kernel("int4", 4096, 576) == "dots"
     assert policy.decode_stack_max_tokens() is None
     assert not backend.native[None].upcast and not backend.experts.upcast and backend.experts.kernel is None
     assert CpuBackend(amd, deterministic=True).experts.kernel == "avx512"

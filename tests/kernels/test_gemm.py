@@ -35,18 +35,24 @@ class Forced(GemmPolicy):
     """Every row count on one kernel, where its tiles take the layer's K (as the policy requires)."""
 
     def __init__(self, kernel: str):
-        super().__init__(amx=kernel != "avx512", invariant=True)
+        super().__init__(amx=kernel == "amx", invariant=True)
         self.forced = kernel
 
     def kernel(self, fmt: str, rows: int, k: int) -> str:
+        if self.forced == "dots":  # 4-bit codes only
+            return "dots" if fmt == "int4" else "avx512"
         return "avx512" if self.amx and k % AMX_K_MULTIPLE[fmt] else self.forced
 
 
-@pytest.fixture(params=["avx512", "amx"])
+@pytest.fixture(params=["avx512", "amx", "dots"])
 def kernel(request, gemm_isa) -> Forced:
-    """One kernel of the build under test, whatever the policy would pick for a layer's rows."""
-    if request.param == "amx" and not CpuCapability.detect().amx_kernels:
+    """One kernel of the build under test, whatever the policy would pick for a layer's rows ("dots": bf16 dot
+    products on widened 4-bit codes, wherever the CPU has them, whichever vendor's policy takes them)."""
+    capability = CpuCapability.detect()
+    if request.param == "amx" and not capability.amx_kernels:
         pytest.skip(f"the {gemm_isa} build has no AMX GEMMs on this machine")
+    if request.param == "dots" and not (capability.gemm and "avx512_bf16" in capability.flags and gemm_isa == "native"):
+        pytest.skip(f"the {gemm_isa} build has no bf16 dot products on this machine")
     return Forced(request.param)
 
 

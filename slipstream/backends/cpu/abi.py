@@ -163,6 +163,9 @@ class Kernels:
     gemm_int4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks_amx = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks_amx_silu = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
+    # gemm_int4 and gemm_blocks with bf16 dot products on panels widened to bf16 (-1 where built without AVX512-BF16)
+    gemm_int4_dots = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_blocks_dots = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
     # (gate_up, act, tokens, width, threads): act [tokens, width] = silu(gate) * up, as the _silu epilogues round;
     # gelu(gate) * up (tanh approximation) rounded alike
     silu_and_mul_bf16 = Function("gemm", P, P, I64, I64, I32, restype=STATUS)

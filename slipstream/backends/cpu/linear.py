@@ -63,6 +63,11 @@ AMX_K_MULTIPLE = {"bf16": 32, "int8": 64, "int4": 32}
 # dequantizing to bf16 per call and oneDNN (int8 160, 152, 164 against 205, 191, 207: 1.2x left, for a policy
 # with one rule fewer; at 128 rows they tie).
 ONEDNN_BF16_MIN_ROWS = 32
+# There 4-bit codes (int4, GGUF's nibble formats) from DOTS_MIN_ROWS rows widen a panel to bf16 and multiply with
+# `vdpbf16ps` (gemm.c's "dots"): Gemma 3's Q5_0 / Q4_K / Q5_0 / Q6_K qkv, o, gate_up, down, 1 thread, GFLOP/s loops /
+# dots at 7 rows 62/93, 118/104, 64/97, 63/88; at 64 rows 147/197, 165/203, 148/199, 107/196; at 512 143/219,
+# 159/224, 143/218, 106/220.
+DOTS_MIN_ROWS = 16
 
 
 class GemmPolicy:
@@ -76,11 +81,13 @@ class GemmPolicy:
 
     def kernel(self, fmt: str, rows: int, k: int) -> str | None:
         """For `rows` rows times a packed `fmt` weight ("bf16", "int8", "int4") of K input
-        features: "amx", "amx_widened" (int8 codes as bf16 tiles), "avx512", or None when a torch
-        path is faster (never when invariant)."""
+        features: "amx", "amx_widened" (int8 codes as bf16 tiles), "dots" (int4 codes widened to bf16
+        for its dot products), "avx512", or None when a torch path is faster (never when invariant)."""
         if self.amx_serves(fmt, rows) and k % AMX_K_MULTIPLE[fmt] == 0:
             widen = fmt == "int8" and not self.invariant and rows >= INT8_WIDEN_MIN_ROWS
             return "amx_widened" if widen else "amx"
+        if self.bf16_dots and fmt == "int4" and rows >= DOTS_MIN_ROWS and not self.invariant:
+            return "dots"
         if self.invariant or rows < self.native_max_rows(fmt):
             return "avx512"
         return None
@@ -302,7 +309,7 @@ def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | N
                   low: torch.Tensor | None = None, kernel: str = "avx512", silu: bool = False,
                   blocks: abi.Blocks | None = None) -> torch.Tensor:
     """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512", "amx"
-    or, for int8, "amx_widened": see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8
+    or, for int8, "amx_widened"; for 4-bit codes, "dots": see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8
     codes with a float32 `scale` per output column (`pack_quads`), or 4-bit codes with `scale`
     and `low` per group and column (`NativeInt4._pack`), int8 codes with a float16 scale per group (GGUF's
     Q8_0 repacked), or GGUF's other formats repacked on nibbles as `blocks` describes them

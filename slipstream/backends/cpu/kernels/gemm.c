@@ -581,6 +581,201 @@ int gemm_blocks(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uin
     GroupScales gs = block_scales(b);
     return b->group && k % 256 ? -1 : int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
 }
+#if defined(__AVX512BF16__)
+static inline int min_int(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
+
+// What a block's sums become: bf16 columns of y, times scale[col] when given; or, with silu,
+// silu(first block) * second block into 16 columns of y.
+typedef struct {
+    const float *scale;
+    int silu;
+} Epilogue;
+
+// A row of one or two 16-column blocks of float32 sums to bf16 y, as one store (cvtne2ps2bf16
+// rounds to nearest even, as store_bf16 does, and flushes denormals, which sums of products of
+// bf16 weights and activations do not reach): a whole cache line per row of a 32-column panel.
+static inline void store_row(uint16_t *y, __m512 first, __m512 second, int cols, const Epilogue *e) {
+    if (e->scale) {
+        first = _mm512_mul_ps(first, _mm512_loadu_ps(e->scale));
+        if (cols == 2) second = _mm512_mul_ps(second, _mm512_loadu_ps(e->scale + 16));
+    }
+    if (e->silu)
+        _mm256_storeu_si256((__m256i *)y, silu_and_mul_bf16x16(first, second));
+    else if (cols == 2)
+        _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+    else
+        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(first));
+}
+
+// The column blocks of W a thread's panels pair up, and where their columns go in y: blocks b
+// and b + 1 into columns 16 b.., or (silu) gate block b and up block b + half into 16 b..
+typedef struct {
+    int64_t first, second, out;
+    int cols;
+} Panel;
+
+static Panel panel_at(int64_t b, int64_t end, int silu, int64_t half) {
+    if (silu) return (Panel){b, b + half, 16 * b, 2};
+    return (Panel){b, b + 1, 16 * b, end - b < 2 ? 1 : 2};
+}
+
+// Output blocks: N/16 of y's columns, or (silu) the I/16 gate blocks.
+static int64_t output_blocks(int64_t n, int silu) { return silu ? n / 32 : n / 16; }
+
+// Codes of one 16-column block widened to bf16 pairs [k/2][16][2] for the bf16 tiles.
+typedef struct {
+    const void *w;
+    GroupScales scales;  // int4: per group and column; int8: a NULL scale (exact codes)
+} Codes;
+
+// int8: quads [k/4][16][4] (k0 k2 k1 k3) -> the exact codes as bf16 pairs.
+static void widen_int8_block(const int8_t *w, int64_t k, uint16_t *out) {
+    for (int64_t q = 0; q < k / 4; q++) {
+        __m512i quads = _mm512_loadu_si512(w + q * 64);
+        __m512i pairs[2] = {_mm512_srai_epi16(_mm512_slli_epi16(quads, 8), 8), _mm512_srai_epi16(quads, 8)};
+        for (int h = 0; h < 2; h++) {  // each dword: two int16 codes, exact in float32 and in bf16
+            __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs[h], 16), 16));
+            __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs[h], 16));
+            __m512i bits = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                                     _mm512_castps_si512(odd), _mm512_set1_epi32((int)0xFFFF0000), 0xF8);
+            _mm512_storeu_si512(out + (2 * q + h) * 32, bits);  // 0xF8: a | (b & c)
+        }
+    }
+}
+
+// int4: codes [k/8][16][4 bytes] (and the planes of higher bits), each kind's scales -> bf16 pairs of
+// q * scale + low; `kind` a constant in each copy, as for `tile_int4`.
+static inline __attribute__((always_inline)) void widen_codes(const uint8_t *w, const GroupScales *gs, int64_t scales,
+                                                              int64_t k, uint16_t *out, int kind) {
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_loadu_si512(interleave);
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        __m512i high = planes_of(kind) > 0 ? _mm512_loadu_si512(gs->high + scales + g * 16) : _mm512_setzero_si512();
+        __m512i sixth = planes_of(kind) > 1 ? _mm512_loadu_si512(gs->sixth + scales + g * 16) : _mm512_setzero_si512();
+        __m512 s, m;
+        for (int c = 0; c < GROUP / 8; c++) {
+            if (c == 0 || (kind == Q6K && c == 2)) scale_and_low(gs, kind, scales + g * 16, c / 2, &s, &m);
+            __m512i codes = _mm512_loadu_si512(w + (g * GROUP / 8 + c) * 64);
+            for (int t = 0; t < 4; t++) {  // K steps 2t and 2t + 1 of the dword, as for `tile_int4`
+                __m512i pair = codes_at(kind, codes, high, sixth, c, t);
+                __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF))), s, m);
+                __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16)), s, m);
+                __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // even steps, then odd
+                _mm512_storeu_si512(out + ((g * GROUP / 8 + c) * 4 + t) * 32, _mm512_permutexvar_epi16(order, halves));
+            }
+        }
+    }
+}
+
+static void widen_int4_block(const uint8_t *w, const GroupScales *gs, int64_t scales, int64_t k, uint16_t *out) {
+    switch (kind_of(gs)) {
+        case PLAIN: widen_codes(w, gs, scales, k, out, PLAIN); break;
+        case FIFTH: widen_codes(w, gs, scales, k, out, FIFTH); break;
+        case K_QUANT: widen_codes(w, gs, scales, k, out, K_QUANT); break;
+        case K_QUANT_FIFTH: widen_codes(w, gs, scales, k, out, K_QUANT_FIFTH); break;
+        default: widen_codes(w, gs, scales, k, out, Q6K);
+    }
+}
+
+static void widen_block(const Codes *c, int64_t b, int64_t k, uint16_t *out) {
+    if (c->scales.scale)
+        widen_int4_block((const uint8_t *)c->w + b * 8 * k, &c->scales, b * 16 * (k / GROUP), k, out);
+    else
+        widen_int8_block((const int8_t *)c->w + b * 16 * k, k, out);
+}
+
+// --- bf16 dot products ----------------------------------------------------------------------
+// Where `vdpbf16ps` (two bf16 products added into each float32 lane) issues at the float32 FMA's rate
+// (AMD Zen 4: `CpuCapability.bf16_dots_win`), prefill of int4 codes and GGUF's nibble formats widens a
+// panel of two column blocks per thread to bf16 pairs, as the AMX path does, and multiplies it by DOT_ROWS
+// rows of x at a time, each row's bf16 pair broadcast against 16 columns' pairs: twice the multiply-adds
+// of the AVX-512 loops per instruction. The values are the AMX path's (q * scale + low rounded to bf16 once).
+#define DOT_ROWS 8
+
+static inline __attribute__((always_inline)) void dots_rows(const uint16_t *x, int64_t k, const uint16_t *w0,
+                                                            const uint16_t *w1, int cols, const Epilogue *e,
+                                                            uint16_t *y, int64_t n, const int rows) {
+    __m512 acc[DOT_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k / 2; p++) {
+        __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + p * 32);
+        __m512bh b1 = (__m512bh)_mm512_loadu_si512((cols == 2 ? w1 : w0) + p * 32);
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            __builtin_memcpy(&pair, x + r * k + 2 * p, sizeof pair);
+            __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+        }
+    }
+    for (int r = 0; r < rows; r++) store_row(y + r * n, acc[r][0], acc[r][1], cols, e);
+}
+
+static void dots_panel(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w0, const uint16_t *w1, int cols,
+                       const Epilogue *e, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + DOT_ROWS <= m; i += DOT_ROWS) dots_rows(x + i * k, k, w0, w1, cols, e, y + i * n, n, DOT_ROWS);
+    switch (m - i) {  // constant row counts keep the sums in registers
+        case 7: dots_rows(x + i * k, k, w0, w1, cols, e, y + i * n, n, 7); break;
+        case 6: dots_rows(x + i * k, k, w0, w1, cols, e, y + i * n, n, 6); break;
+        case 5: dots_rows(x + i * k, k, w0, w1, cols, e, y + i * n, n, 5); break;
+        case 4: dots_rows(x + i * k, k, w0, w1, cols, e, y + i * n, n, 4); break;
+        case 3: dots_rows(x + i * k, k, w0, w1, cols, e, y + i * n, n, 3); break;
+        case 2: dots_rows(x + i * k, k, w0, w1, cols, e, y + i * n, n, 2); break;
+        case 1: dots_rows(x + i * k, k, w0, w1, cols, e, y + i * n, n, 1); break;
+    }
+}
+
+static int int4_dots(const uint16_t *x, const uint8_t *w_packed, GroupScales scales, uint16_t *y, int64_t m, int64_t n,
+                     int64_t k, int threads) {
+    if (n % 16 || k % GROUP) return -1;
+    Codes codes = {w_packed, scales};
+    int failed = 0;
+    Epilogue e = {NULL, 0};
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * 32 * k);
+        int64_t begin, end;
+        thread_blocks(n / 16, &begin, &end);
+        for (int64_t b = begin; panel && b < end; b += 2) {
+            Panel p = panel_at(b, end, 0, 0);
+            widen_block(&codes, p.first, k, panel);
+            if (p.cols == 2) widen_block(&codes, p.second, k, panel + 16 * k);
+            dots_panel(x, m, k, panel, panel + 16 * k, p.cols, &e, y + p.out, n);
+        }
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        free(panel);
+    }
+    return failed ? -1 : 0;
+}
+
+// gemm_int4 and gemm_blocks with bf16 dot products on widened panels; -1 when N % 16 or K % GROUP (k-quants:
+// 256) is not zero or memory runs out
+int gemm_int4_dots(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                   int64_t m, int64_t n, int64_t k, int threads) {
+    return int4_dots(x, w_packed, (GroupScales){scale, low, 0}, y, m, n, k, threads);
+}
+
+int gemm_blocks_dots(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
+                     int64_t k, int threads) {
+    return b->group && k % 256 ? -1 : int4_dots(x, w_packed, block_scales(b), y, m, n, k, threads);
+}
+#else
+int gemm_int4_dots(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                   int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_blocks_dots(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
+                     int64_t k, int threads) {
+    return -1;
+}
+#endif
+
 // --- AMX tiles ------------------------------------------------------------------------------
 // The same products on AMX's tile unit, for the row counts where it wins (backends/cpu/linear.py):
 // one `tdpbf16ps` multiplies a tile of 16 rows x 32 K steps of x by 32 K steps x 16 columns of
@@ -612,31 +807,6 @@ int gemm_blocks(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uin
 
 int gemm_amx_available(void) { return amx_ready(); }
 
-static inline int min_int(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
-
-// What a block's sums become: bf16 columns of y, times scale[col] when given; or, with silu,
-// silu(first block) * second block into 16 columns of y.
-typedef struct {
-    const float *scale;
-    int silu;
-} Epilogue;
-
-// A row of one or two 16-column blocks of float32 sums to bf16 y, as one store (cvtne2ps2bf16
-// rounds to nearest even, as store_bf16 does, and flushes denormals, which sums of products of
-// bf16 weights and activations do not reach): a whole cache line per row of a 32-column panel.
-static inline void store_row(uint16_t *y, __m512 first, __m512 second, int cols, const Epilogue *e) {
-    if (e->scale) {
-        first = _mm512_mul_ps(first, _mm512_loadu_ps(e->scale));
-        if (cols == 2) second = _mm512_mul_ps(second, _mm512_loadu_ps(e->scale + 16));
-    }
-    if (e->silu)
-        _mm256_storeu_si256((__m256i *)y, silu_and_mul_bf16x16(first, second));
-    else if (cols == 2)
-        _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(second, first));
-    else
-        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(first));
-}
-
 // One block of up to 32 rows x 32 columns (two column blocks w0, w1 of bf16 pairs) into y.
 static void amx_bf16_block(const uint16_t *x, int rows, int64_t k, const uint16_t *w0, const uint16_t *w1, int cols,
                            const Epilogue *e, uint16_t *y, int64_t n, TileConfig *config) {
@@ -654,21 +824,6 @@ static void amx_bf16_panel(const uint16_t *x, int64_t m, int64_t k, const uint16
     for (int64_t i = 0; i < m; i += 32)
         amx_bf16_block(x + i * k, min_int(32, m - i), k, w0, w1, cols, e, y + i * n, n, config);
 }
-
-// The column blocks of W a thread's panels pair up, and where their columns go in y: blocks b
-// and b + 1 into columns 16 b.., or (silu) gate block b and up block b + half into 16 b..
-typedef struct {
-    int64_t first, second, out;
-    int cols;
-} Panel;
-
-static Panel panel_at(int64_t b, int64_t end, int silu, int64_t half) {
-    if (silu) return (Panel){b, b + half, 16 * b, 2};
-    return (Panel){b, b + 1, 16 * b, end - b < 2 ? 1 : 2};
-}
-
-// Output blocks: N/16 of y's columns, or (silu) the I/16 gate blocks.
-static int64_t output_blocks(int64_t n, int silu) { return silu ? n / 32 : n / 16; }
 
 static int gemm_bf16_tiles(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
                            int threads, int silu) {
@@ -814,69 +969,6 @@ static int gemm_int8_split(const uint16_t *x, const int8_t *w_packed, const floa
     return 0;
 }
 
-// Codes of one 16-column block widened to bf16 pairs [k/2][16][2] for the bf16 tiles.
-typedef struct {
-    const void *w;
-    GroupScales scales;  // int4: per group and column; int8: a NULL scale (exact codes)
-} Codes;
-
-// int8: quads [k/4][16][4] (k0 k2 k1 k3) -> the exact codes as bf16 pairs.
-static void widen_int8_block(const int8_t *w, int64_t k, uint16_t *out) {
-    for (int64_t q = 0; q < k / 4; q++) {
-        __m512i quads = _mm512_loadu_si512(w + q * 64);
-        __m512i pairs[2] = {_mm512_srai_epi16(_mm512_slli_epi16(quads, 8), 8), _mm512_srai_epi16(quads, 8)};
-        for (int h = 0; h < 2; h++) {  // each dword: two int16 codes, exact in float32 and in bf16
-            __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs[h], 16), 16));
-            __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs[h], 16));
-            __m512i bits = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                                                     _mm512_castps_si512(odd), _mm512_set1_epi32((int)0xFFFF0000), 0xF8);
-            _mm512_storeu_si512(out + (2 * q + h) * 32, bits);  // 0xF8: a | (b & c)
-        }
-    }
-}
-
-// int4: codes [k/8][16][4 bytes] (and the planes of higher bits), each kind's scales -> bf16 pairs of
-// q * scale + low; `kind` a constant in each copy, as for `tile_int4`.
-static inline __attribute__((always_inline)) void widen_codes(const uint8_t *w, const GroupScales *gs, int64_t scales,
-                                                              int64_t k, uint16_t *out, int kind) {
-    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i order = _mm512_loadu_si512(interleave);
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        __m512i high = planes_of(kind) > 0 ? _mm512_loadu_si512(gs->high + scales + g * 16) : _mm512_setzero_si512();
-        __m512i sixth = planes_of(kind) > 1 ? _mm512_loadu_si512(gs->sixth + scales + g * 16) : _mm512_setzero_si512();
-        __m512 s, m;
-        for (int c = 0; c < GROUP / 8; c++) {
-            if (c == 0 || (kind == Q6K && c == 2)) scale_and_low(gs, kind, scales + g * 16, c / 2, &s, &m);
-            __m512i codes = _mm512_loadu_si512(w + (g * GROUP / 8 + c) * 64);
-            for (int t = 0; t < 4; t++) {  // K steps 2t and 2t + 1 of the dword, as for `tile_int4`
-                __m512i pair = codes_at(kind, codes, high, sixth, c, t);
-                __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF))), s, m);
-                __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16)), s, m);
-                __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // even steps, then odd
-                _mm512_storeu_si512(out + ((g * GROUP / 8 + c) * 4 + t) * 32, _mm512_permutexvar_epi16(order, halves));
-            }
-        }
-    }
-}
-
-static void widen_int4_block(const uint8_t *w, const GroupScales *gs, int64_t scales, int64_t k, uint16_t *out) {
-    switch (kind_of(gs)) {
-        case PLAIN: widen_codes(w, gs, scales, k, out, PLAIN); break;
-        case FIFTH: widen_codes(w, gs, scales, k, out, FIFTH); break;
-        case K_QUANT: widen_codes(w, gs, scales, k, out, K_QUANT); break;
-        case K_QUANT_FIFTH: widen_codes(w, gs, scales, k, out, K_QUANT_FIFTH); break;
-        default: widen_codes(w, gs, scales, k, out, Q6K);
-    }
-}
-
-static void widen_block(const Codes *c, int64_t b, int64_t k, uint16_t *out) {
-    if (c->scales.scale)
-        widen_int4_block((const uint8_t *)c->w + b * 8 * k, &c->scales, b * 16 * (k / GROUP), k, out);
-    else
-        widen_int8_block((const int8_t *)c->w + b * 16 * k, k, out);
-}
-
 // int8 (scale per column applied at the end) or int4, through a widened panel per thread.
 static int gemm_widened(const uint16_t *x, const Codes *codes, const float *column_scale, uint16_t *y, int64_t m,
                         int64_t n, int64_t k, int threads, int silu) {
@@ -1013,6 +1105,16 @@ int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, co
 
 int gemm_blocks(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
                 int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_int4_dots(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
+                   int64_t m, int64_t n, int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_blocks_dots(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
+                     int64_t k, int threads) {
     return -1;
 }
 
