@@ -91,7 +91,7 @@ class Layer(ctypes.Structure):
 class Step(ctypes.Structure):
     """decoder_layer.c: what every layer of a decode step shares."""
     _fields_ = [("tokens", I64), ("slots", P), ("block_tables", P), ("context_lens", P), ("positions", P),
-                ("cos", P * 2), ("sin", P * 2), ("max_blocks", I32), ("threads", I32), ("amx", I32 * 5)]
+                ("cos", P * 2), ("sin", P * 2), ("max_blocks", I32), ("threads", I32), ("kernel", I32 * 5)]
 
 
 # each mirror and the kernel that exports its C size (`sizeof_<name>`), checked when a build loads

@@ -16,8 +16,9 @@ Without AMX, measured on one core of an Intel development machine (AVX-512, no A
 
 AMD's AVX-512 BF16 cores (Zen 4: `CpuCapability.bf16_dots_win`) are the other case: `vdpbf16ps`
 issues as fast as a float32 FMA for twice the multiply-adds, so oneDNN's bf16 GEMM on the plain
-weight beats the loops from ONEDNN_BF16_MIN_ROWS rows and the upcast at every size; nothing
-upcasts there (`GemmPolicy(bf16_dots=True)`).
+weight beats the loops from ONEDNN_BF16_MIN_ROWS rows and the upcast at every size, and 4-bit
+codes widened to bf16 panels for gemm.c's own `vdpbf16ps` loop beat their integer loops from
+DOTS_MIN_ROWS; nothing upcasts there (`GemmPolicy(bf16_dots=True)`).
 
 With AMX, the tile kernels of kernels/gemm.c read the same packed weights from AMX_MIN_ROWS
 rows on, at every larger size. Large bf16 batches of shapes they cannot tile go to oneDNN,
@@ -59,9 +60,9 @@ AMX_K_MULTIPLE = {"bf16": 32, "int8": 64, "int4": 32}
 # Where bf16 dot products win (CpuCapability.bf16_dots_win), benchmarks/gemm.py on the AMD Zen 4 machine
 # (1 thread, GFLOP/s loops / oneDNN bf16 on the plain weight) for SmolLM2's qkv, gate_up, down: at 16 rows
 # 95/76, 101/83, 101/97; at 32 rows 102/116, 107/125, 106/139; at 512 rows 110/204, 111/200, 112/217.
-# Codes stay on the loops at every size: int4 at 512 rows 171, 171, 153 against 170, 156, 147 for
-# dequantizing to bf16 per call and oneDNN (int8 160, 152, 164 against 205, 191, 207: 1.2x left, for a policy
-# with one rule fewer; at 128 rows they tie).
+# Codes never go to oneDNN: int4's loops at 512 rows 171, 171, 153 against 170, 156, 147 for dequantizing to
+# bf16 per call (int8 160, 152, 164 against 205, 191, 207: 1.2x left, for a policy with one rule fewer; at 128
+# rows they tie); 4-bit codes take gemm.c's own dot products instead (DOTS_MIN_ROWS).
 ONEDNN_BF16_MIN_ROWS = 32
 # There 4-bit codes (int4, GGUF's nibble formats) from DOTS_MIN_ROWS rows widen a panel to bf16 and multiply with
 # `vdpbf16ps` (gemm.c's "dots"): Gemma 3's Q5_0 / Q4_K / Q5_0 / Q6_K qkv, o, gate_up, down, 1 thread, GFLOP/s loops /
@@ -86,7 +87,7 @@ class GemmPolicy:
         if self.amx_serves(fmt, rows) and k % AMX_K_MULTIPLE[fmt] == 0:
             widen = fmt == "int8" and not self.invariant and rows >= INT8_WIDEN_MIN_ROWS
             return "amx_widened" if widen else "amx"
-        if self.bf16_dots and fmt == "int4" and rows >= DOTS_MIN_ROWS and not self.invariant:
+        if self.dots_serve(fmt, rows):
             return "dots"
         if self.invariant or rows < self.native_max_rows(fmt):
             return "avx512"
@@ -101,6 +102,15 @@ class GemmPolicy:
     def amx_serves(self, fmt: str, rows: int) -> bool:
         """Whether the AMX kernels take `rows` rows of `fmt` weights whose K they can tile."""
         return self.amx and rows >= self.amx_min_rows[fmt]
+
+    def dots_serve(self, fmt: str, rows: int) -> bool:
+        """Whether `rows` rows of 4-bit codes take the bf16 dot products (never when invariant)."""
+        return self.bf16_dots and fmt == "int4" and rows >= DOTS_MIN_ROWS and not self.invariant
+
+    def stack_kernel(self, fmt: str, rows: int) -> int:
+        """The decode stack's code for `fmt`'s kernel at `rows` tokens (decoder_layer.c: 0 the loops, 1 AMX
+        tiles where K tiles, 2 the dot products)."""
+        return 2 if self.dots_serve(fmt, rows) else int(self.amx_serves(fmt, rows))
 
     def decode_stack_max_tokens(self) -> int | None:
         """Decode batches from this many tokens leave the fused stack: without AMX the AVX-512

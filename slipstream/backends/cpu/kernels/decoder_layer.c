@@ -20,6 +20,7 @@
 #include "turboquant.h"
 
 enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4, WEIGHT_BLOCKS, WEIGHT_Q8, WEIGHT_SEGMENTS };
+enum { KERNEL_LOOPS, KERNEL_AMX, KERNEL_DOTS };  // gemm.c's AVX-512 loops, AMX tiles, bf16 dot products (4-bit codes)
 
 // A linear layer's weight [n, k] as gemm.c takes it (packed by backends/cpu/linear.py and gguf_linear.py):
 // int8 with a float32 scale per column, int4 with a scale and a minimum per group and column, blocks (GGUF's
@@ -68,7 +69,7 @@ typedef struct {
     const int64_t *positions;
     const float *cos[2], *sin[2];  // tables [positions covered, head_dim / 2]: row p holds position p's rotations
     int32_t max_blocks, threads;
-    int32_t amx[WEIGHT_SEGMENTS];  // per weight kind: whether its projections take the AMX kernels at this many tokens
+    int32_t kernel[WEIGHT_SEGMENTS];  // per weight kind, the kernel its projections take at this many tokens
 } Step;
 
 // Read by backends/cpu/abi.py: the weight kinds, and the sizes its mirrors of the structs are checked against.
@@ -100,7 +101,11 @@ static int project_segments(const Weight *w, const Step *s, const uint16_t *x, u
 static int project(const Weight *w, const Step *s, const uint16_t *x, uint16_t *y, int64_t k) {
     int64_t m = s->tokens;
     if (w->kind == WEIGHT_SEGMENTS) return project_segments(w, s, x, y, k);
-    int threads = s->threads, amx = s->amx[w->kind] && amx_tiles(w->kind, k);
+    int threads = s->threads, amx = s->kernel[w->kind] == KERNEL_AMX && amx_tiles(w->kind, k);
+    if (s->kernel[w->kind] == KERNEL_DOTS && w->kind == WEIGHT_INT4)
+        return gemm_int4_dots(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
+    if (s->kernel[w->kind] == KERNEL_DOTS && w->kind == WEIGHT_BLOCKS)
+        return gemm_blocks_dots(x, w->weight, w->blocks, y, m, w->n, k, threads);
     switch (w->kind) {
         case WEIGHT_BF16:
             return (amx ? gemm_bf16_amx : gemm_bf16)(x, w->weight, y, m, w->n, k, threads);
@@ -220,7 +225,7 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
 static int gated_projection(const Layer *l, const Step *s, const uint16_t *x, uint16_t *gate_up, uint16_t *act) {
     const Weight *w = &l->gate_up;
     int64_t m = s->tokens, k = l->hidden;
-    if (!l->gelu && s->amx[w->kind] && amx_tiles(w->kind, k) && w->n % 32 == 0) switch (w->kind) {
+    if (!l->gelu && s->kernel[w->kind] == KERNEL_AMX && amx_tiles(w->kind, k) && w->n % 32 == 0) switch (w->kind) {
             case WEIGHT_BF16: return gemm_bf16_amx_silu(x, w->weight, act, m, w->n, k, s->threads);
             case WEIGHT_INT8: return gemm_int8_amx_silu(x, w->weight, w->scale, act, m, w->n, k, s->threads);
             case WEIGHT_INT4: return gemm_int4_amx_silu(x, w->weight, w->scale, w->low, act, m, w->n, k, s->threads);
