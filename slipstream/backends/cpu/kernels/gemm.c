@@ -764,16 +764,6 @@ int gemm_blocks_dots(const uint16_t *x, const uint8_t *w_packed, const Blocks *b
                      int64_t k, int threads) {
     return b->group && k % 256 ? -1 : int4_dots(x, w_packed, block_scales(b), y, m, n, k, threads);
 }
-#else
-int gemm_int4_dots(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-                   int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_blocks_dots(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
-                     int64_t k, int threads) {
-    return -1;
-}
 #endif
 
 // --- AMX tiles ------------------------------------------------------------------------------
@@ -1108,6 +1098,14 @@ int gemm_blocks(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uin
     return -1;
 }
 
+int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, uint16_t *y, int64_t m, int64_t n,
+            int64_t k, int threads) {
+    return -1;
+}
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__))
+// built without AVX512-BF16: the policy gives "dots" only where the CPU has it, and native builds use it there
 int gemm_int4_dots(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
                    int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
@@ -1115,11 +1113,6 @@ int gemm_int4_dots(const uint16_t *x, const uint8_t *w_packed, const float *scal
 
 int gemm_blocks_dots(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
                      int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, uint16_t *y, int64_t m, int64_t n,
-            int64_t k, int threads) {
     return -1;
 }
 #endif
