@@ -14,7 +14,7 @@ import torch
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.build import cpu_flags
 from slipstream.backends.cpu.capability import CpuCapability, usable_flags
-from slipstream.backends.cpu.linear import DOTS_MIN_ROWS, ONEDNN_BF16_MIN_ROWS
+from slipstream.backends.cpu.linear import DOTS_MIN_ROWS
 from slipstream.backends.cuda.backend import CudaBackend
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.backends.select import select_backend
@@ -74,24 +74,22 @@ def test_deterministic_chooses_the_invariant_policy_or_the_fastest(kind, determi
         assert ("for every row count" in lines["linear"]) == deterministic
 
 
-def test_amd_bf16_dot_products_take_onednn_for_bf16_batches_and_no_upcast():
-    """AMD's AVX-512 BF16 (Zen 4) issues bf16 dot products at the float32 FMA's rate: oneDNN's bf16 GEMM
-    from ONEDNN_BF16_MIN_ROWS rows of bf16 weights, 4-bit codes widened for gemm.c's dot products from
-    DOTS_MIN_ROWS, int8 codes on the loops at every size, nothing upcast to
-    float32, and invariance (which would keep the loops) off by default; an Intel CPU with the same flags,
+def test_amd_bf16_dot_products_keep_every_row_count_on_gemm_c_and_nothing_upcast():
+    """AMD's AVX-512 BF16 (Zen 4) issues bf16 dot products at the float32 FMA's rate: gemm.c's dot products
+    (codes widened for them) from DOTS_MIN_ROWS rows of each format, the loops below, never oneDNN or a float32
+    upcast, and invariance (which would keep the loops) off by default; an Intel CPU with the same flags,
     or an AMD one without avx512_bf16, keeps the measured Intel policy."""
     amd = CpuCapability(frozenset(AVX512_FLAGS), build("native", True, False), "native", vendor="AuthenticAMD")
     backend = CpuBackend(amd)
     assert amd.bf16_dots_win and not backend.batch_invariant and backend.every_query_native
     policy = backend.policy
-    assert policy.kernel("bf16", ONEDNN_BF16_MIN_ROWS - 1, 576) == "avx512"
-    assert policy.kernel("bf16", ONEDNN_BF16_MIN_ROWS, 576) is None
-    assert policy.kernel("int8", 4096, 576) == policy.kernel("int4", DOTS_MIN_ROWS - 1, 576) == "avx512"
-    assert policy.kernel("int4", DOTS_MIN_ROWS, 576) == policy.kernel("int4", 4096, 576) == "dots"
+    for fmt in ("bf16", "int8", "int4"):
+        assert policy.kernel(fmt, DOTS_MIN_ROWS[fmt] - 1, 576) == "avx512"
+        assert policy.kernel(fmt, DOTS_MIN_ROWS[fmt], 576) == policy.kernel(fmt, 4096, 576) == "dots"
     assert policy.decode_stack_max_tokens() is None
     assert not backend.native[None].upcast and not backend.experts.upcast and backend.experts.kernel is None
     assert CpuBackend(amd, deterministic=True).experts.kernel == "avx512"
-    assert "oneDNN's bf16 GEMM above" in next(line for line in backend.describe() if line.startswith("linear:"))
+    assert "gemm.c's bf16 dot products" in next(line for line in backend.describe() if line.startswith("linear:"))
     for other in (CpuCapability(frozenset(AVX512_FLAGS), amd.kernels, "native", vendor="GenuineIntel"),
                   CpuCapability(frozenset(NO_BF16), amd.kernels, "native", vendor="AuthenticAMD")):
         assert not other.bf16_dots_win and CpuBackend(other).policy.kernel("bf16", 128, 576) == "avx512"

@@ -39,15 +39,16 @@ class Forced(GemmPolicy):
         self.forced = kernel
 
     def kernel(self, fmt: str, rows: int, k: int) -> str:
-        if self.forced == "dots":  # 4-bit codes only
-            return "dots" if fmt == "int4" else "avx512"
         return "avx512" if self.amx and k % AMX_K_MULTIPLE[fmt] else self.forced
+
+    def dots_serve(self, fmt: str, rows: int) -> bool:  # what Q8_0 and the decode stack ask
+        return self.forced == "dots"
 
 
 @pytest.fixture(params=["avx512", "amx", "dots"])
 def kernel(request, gemm_isa) -> Forced:
     """One kernel of the build under test, whatever the policy would pick for a layer's rows ("dots": bf16 dot
-    products on widened 4-bit codes, wherever the CPU has them, whichever vendor's policy takes them)."""
+    products, codes widened for them, wherever the CPU has them, whichever vendor's policy takes them)."""
     capability = CpuCapability.detect()
     if request.param == "amx" and not capability.amx_kernels:
         pytest.skip(f"the {gemm_isa} build has no AMX GEMMs on this machine")

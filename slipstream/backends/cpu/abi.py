@@ -163,7 +163,11 @@ class Kernels:
     gemm_int4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks_amx = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks_amx_silu = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
-    # gemm_int4 and gemm_blocks with bf16 dot products on panels widened to bf16 (-1 where built without AVX512-BF16)
+    # gemm_bf16, gemm_int8, gemm_q8, gemm_int4 and gemm_blocks with bf16 dot products on bf16 panels (codes widened to
+    # them; -1 where built without AVX512-BF16)
+    gemm_bf16_dots = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_int8_dots = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
+    gemm_q8_dots = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int4_dots = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks_dots = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
     # (gate_up, act, tokens, width, threads): act [tokens, width] = silu(gate) * up, as the _silu epilogues round;

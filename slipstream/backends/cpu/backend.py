@@ -24,9 +24,9 @@ from slipstream.backends.cpu.decode_stack import DecodeStack
 from slipstream.backends.cpu.gguf_linear import (DEQUANTIZE_MIN_ROWS, NativeBlocks, NativeGGUF, NativeQ8, Segmented,
                                                  repackable)
 from slipstream.backends.cpu.gguf_repack import REPACKED
-from slipstream.backends.cpu.linear import (DOTS_MIN_ROWS, INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, ONEDNN_BF16_MIN_ROWS,
-                                            UPCAST_MIN_ROWS, GemmPolicy, NativeBf16, NativeInt4, NativeInt8,
-                                            OneDnnBf16, Upcast, native_fits)
+from slipstream.backends.cpu.linear import (DOTS_MIN_ROWS, INT8_WIDEN_MIN_ROWS, NATIVE_MAX_ROWS, UPCAST_MIN_ROWS,
+                                            GemmPolicy, NativeBf16, NativeInt4, NativeInt8, OneDnnBf16, Upcast,
+                                            native_fits)
 from slipstream.backends.cpu.moe import UPCAST_MIN_TOKENS, CpuExperts
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.kvcache.cache import LayerKVCache
@@ -148,9 +148,9 @@ def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
     if cap.gemm and policy.invariant:
         return "packed weights on AVX-512 loops (kernels/gemm.c) for every row count"
     if cap.gemm and policy.bf16_dots:
-        return (f"packed weights on AVX-512 loops (kernels/gemm.c), below {ONEDNN_BF16_MIN_ROWS} rows in bf16 "
-                f"(oneDNN's bf16 GEMM above: the CPU's bf16 dot products), below {DOTS_MIN_ROWS} in int4 (codes "
-                "widened to bf16 for gemm.c's dot products above), at every row count in int8")
+        rows = ", ".join(f"{fmt} from {n}" for fmt, n in DOTS_MIN_ROWS.items())
+        return (f"packed weights on gemm.c's bf16 dot products ({rows} rows; codes widened to bf16), AVX-512 "
+                "loops below (kernels/gemm.c)")
     if cap.gemm:
         return (f"packed weights on AVX-512 loops (kernels/gemm.c) below {NATIVE_MAX_ROWS} rows in bf16, "
                 f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")

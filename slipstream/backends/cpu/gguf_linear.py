@@ -9,11 +9,12 @@ scale to 16 columns; the layouts are in gguf_repack.py, whose `file_blocks` move
 int4 kernels take the low four bits as nibbles, Q5's and Q6_K's higher bits from planes of one
 dword per group and column, and each format's scales (float16 d and m; k-quants' d and dmin per
 256 with a 6-bit scale and minimum per group; Q6_K's int8 scale per 16): AVX-512 loops, AMX tiles
-for prefill, the fused decode stack, wherever the GemmPolicy gives int4 one. One
+or bf16 dot products for prefill, the fused decode stack, wherever the GemmPolicy gives int4 one. One
 core of the AMX machine, one row: SmolLM2's gate_up (Q4_1) 31 us against gguf_gemm.c's 117; Gemma
-3's (Q5_0) 80 against 272. Q8_0 takes the int8 loops wherever the policy gives int8 (SmolLM2's LM head:
-0.73 vs 1.55 ms per decode step, 2 threads). A projection fused from two formats (`Segmented`)
-runs each part on its own method; a tied embedding reads its rows through `Repacked.rows`.
+3's (Q5_0) 80 against 272. Q8_0 takes int8's loops, or its bf16 dot products, wherever the policy gives
+int8 those (SmolLM2's LM head: 0.73 vs 1.55 ms per decode step on the loops, 2 threads). A projection
+fused from two formats (`Segmented`) runs each part on its own method; a tied embedding reads its rows
+through `Repacked.rows`.
 
 For float32 activations and layers whose rows do not tile by 16 (`NativeGGUF`), below
 DEQUANTIZE_MIN_ROWS rows (decode, small batches) every segment of a layer's blocks is
@@ -189,15 +190,20 @@ def _blocks(layer: Linear) -> abi.Blocks:
 class NativeQ8(NativeCodes, Repacked):
     """Repacked Q8_0 on gemm.c's int8 loops with a float16 scale per group (`gemm_q8`): for the rows
     the policy gives int8 its loops, or at every row count where batch invariance asks it (it has no
-    AMX form); in the decode stack at every row count it serves."""
+    AMX form), and on its bf16 dot products (each code times its scale, rounded to bf16) where the
+    policy gives int8 those; in the decode stack at every row count it serves."""
 
     def __init__(self, policy: GemmPolicy, upcast: bool):
         super().__init__(upcast)
         self.policy = policy
 
     def _kernel(self, layer: Linear, x: torch.Tensor) -> str | None:
+        if x.dtype != torch.bfloat16:
+            return None
+        if self.policy.dots_serve("int8", x.shape[0]):
+            return "dots"
         loops = self.policy.invariant or x.shape[0] < self.policy.native_max_rows("int8")
-        return "avx512" if x.dtype == torch.bfloat16 and loops else None
+        return "avx512" if loops else None
 
     def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
         return native_matmul(x, layer.packed, layer.packed_scale, kernel=kernel)

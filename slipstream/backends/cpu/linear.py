@@ -15,10 +15,10 @@ Without AMX, measured on one core of an Intel development machine (AVX-512, no A
   `F.linear` on the plain weight at 1-16 rows. The plain weight stays for the upcast path.
 
 AMD's AVX-512 BF16 cores (Zen 4: `CpuCapability.bf16_dots_win`) are the other case: `vdpbf16ps`
-issues as fast as a float32 FMA for twice the multiply-adds, so oneDNN's bf16 GEMM on the plain
-weight beats the loops from ONEDNN_BF16_MIN_ROWS rows and the upcast at every size, and 4-bit
-codes widened to bf16 panels for gemm.c's own `vdpbf16ps` loop beat their integer loops from
-DOTS_MIN_ROWS; nothing upcasts there (`GemmPolicy(bf16_dots=True)`).
+issues as fast as a float32 FMA for twice the multiply-adds, so gemm.c's own `vdpbf16ps` loop on
+bf16 panels (the packed bf16 weight as it is; int8 and 4-bit codes widened per call) beats the
+loops from DOTS_MIN_ROWS rows, and oneDNN's bf16 GEMM and the upcast at every size: every row
+count stays on gemm.c and nothing upcasts there (`GemmPolicy(bf16_dots=True)`).
 
 With AMX, the tile kernels of kernels/gemm.c read the same packed weights from AMX_MIN_ROWS
 rows on, at every larger size. Large bf16 batches of shapes they cannot tile go to oneDNN,
@@ -57,18 +57,16 @@ INT8_WIDEN_MIN_ROWS = 128  # int8 on AMX: codes widened to bf16 tiles beat the i
 AMX_MIN_ROWS = {"bf16": 8, "int8": 8, "int4": 16}
 INVARIANT_AMX_MIN_ROWS = {"bf16": 1, "int8": 8, "int4": 1}  # their AMX and AVX-512 sums round differently
 AMX_K_MULTIPLE = {"bf16": 32, "int8": 64, "int4": 32}
-# Where bf16 dot products win (CpuCapability.bf16_dots_win), benchmarks/gemm.py on the AMD Zen 4 machine
-# (1 thread, GFLOP/s loops / oneDNN bf16 on the plain weight) for SmolLM2's qkv, gate_up, down: at 16 rows
-# 95/76, 101/83, 101/97; at 32 rows 102/116, 107/125, 106/139; at 512 rows 110/204, 111/200, 112/217.
-# Codes never go to oneDNN: int4's loops at 512 rows 171, 171, 153 against 170, 156, 147 for dequantizing to
-# bf16 per call (int8 160, 152, 164 against 205, 191, 207: 1.2x left, for a policy with one rule fewer; at 128
-# rows they tie); 4-bit codes take gemm.c's own dot products instead (DOTS_MIN_ROWS).
-ONEDNN_BF16_MIN_ROWS = 32
-# There 4-bit codes (int4, GGUF's nibble formats) from DOTS_MIN_ROWS rows widen a panel to bf16 and multiply with
-# `vdpbf16ps` (gemm.c's "dots"): Gemma 3's Q5_0 / Q4_K / Q5_0 / Q6_K qkv, o, gate_up, down, 1 thread, GFLOP/s loops /
-# dots at 7 rows 62/93, 118/104, 64/97, 63/88; at 64 rows 147/197, 165/203, 148/199, 107/196; at 512 143/219,
-# 159/224, 143/218, 106/220.
-DOTS_MIN_ROWS = 16
+# Where bf16 dot products win (CpuCapability.bf16_dots_win), weights from DOTS_MIN_ROWS rows take gemm.c's
+# `vdpbf16ps` loop ("dots"), codes (int8, Q8_0, int4, GGUF's nibble formats) widened to a bf16 panel per call. The
+# AMD Zen 4 machine, 1 thread, GFLOP/s loops / dots / oneDNN bf16 on the plain weight, SmolLM2-360M's bf16 qkv, o,
+# gate_up, down: at 1 row 69/64/24, 62/57/22, 64/68/26, 77/69/26; at 2 rows 97/124/47, 90/114/43, 103/129/48,
+# 105/137/54; at 32 114/228/186, 113/225/179, 110/223/160, 114/231/189; at 512 112/223/219, 112/227/218,
+# 112/220/207, 112/228/216. Loops / dots for Gemma 3's Q5_0 / Q4_K / Q5_0 / Q6_K qkv, o, gate_up, down at 7 rows
+# 62/93, 118/104, 64/97, 63/88; at 64 147/197, 165/203, 148/199, 107/196; at 512 143/219, 159/224, 143/218, 106/220.
+# The same int8 projections: at 12 rows 161/139, 158/136, 164/140, 165/141; at 16 140/154, 138/151, 142/154,
+# 143/157; at 512 161/223, 162/223, 161/220, 164/223 (oneDNN on the dequantized bf16 weight 197, 202, 194, 200).
+DOTS_MIN_ROWS = {"bf16": 2, "int8": 16, "int4": 16}
 
 
 class GemmPolicy:
@@ -76,14 +74,14 @@ class GemmPolicy:
     AMX tiles; `invariant`: each row's product the same bits at any row count."""
 
     def __init__(self, amx: bool, invariant: bool, bf16_dots: bool = False):
-        """bf16_dots: oneDNN's bf16 GEMM outruns the loops from ONEDNN_BF16_MIN_ROWS rows (no AMX)."""
+        """bf16_dots: gemm.c's bf16 dot products outrun the loops from DOTS_MIN_ROWS rows (no AMX)."""
         self.amx, self.invariant, self.bf16_dots = amx, invariant, bf16_dots
         self.amx_min_rows = INVARIANT_AMX_MIN_ROWS if invariant else AMX_MIN_ROWS
 
     def kernel(self, fmt: str, rows: int, k: int) -> str | None:
         """For `rows` rows times a packed `fmt` weight ("bf16", "int8", "int4") of K input
-        features: "amx", "amx_widened" (int8 codes as bf16 tiles), "dots" (int4 codes widened to bf16
-        for its dot products), "avx512", or None when a torch path is faster (never when invariant)."""
+        features: "amx", "amx_widened" (int8 codes as bf16 tiles), "dots" (bf16 dot products; codes widened
+        to bf16 for them), "avx512", or None when a torch path is faster (never when invariant)."""
         if self.amx_serves(fmt, rows) and k % AMX_K_MULTIPLE[fmt] == 0:
             widen = fmt == "int8" and not self.invariant and rows >= INT8_WIDEN_MIN_ROWS
             return "amx_widened" if widen else "amx"
@@ -96,7 +94,7 @@ class GemmPolicy:
     def native_max_rows(self, fmt: str) -> float:
         """Without AMX, from how many rows a torch GEMM beats the loops on `fmt` weights."""
         if self.bf16_dots:
-            return ONEDNN_BF16_MIN_ROWS if fmt == "bf16" else math.inf
+            return math.inf
         return NATIVE_MAX_ROWS if fmt == "bf16" else UPCAST_MIN_ROWS
 
     def amx_serves(self, fmt: str, rows: int) -> bool:
@@ -104,8 +102,8 @@ class GemmPolicy:
         return self.amx and rows >= self.amx_min_rows[fmt]
 
     def dots_serve(self, fmt: str, rows: int) -> bool:
-        """Whether `rows` rows of 4-bit codes take the bf16 dot products (never when invariant)."""
-        return self.bf16_dots and fmt == "int4" and rows >= DOTS_MIN_ROWS and not self.invariant
+        """Whether `rows` rows of `fmt` weights take the bf16 dot products (never when invariant)."""
+        return self.bf16_dots and rows >= DOTS_MIN_ROWS[fmt] and not self.invariant
 
     def stack_kernel(self, fmt: str, rows: int) -> int:
         """The decode stack's code for `fmt`'s kernel at `rows` tokens (decoder_layer.c: 0 the loops, 1 AMX

@@ -20,7 +20,7 @@
 #include "turboquant.h"
 
 enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4, WEIGHT_BLOCKS, WEIGHT_Q8, WEIGHT_SEGMENTS };
-enum { KERNEL_LOOPS, KERNEL_AMX, KERNEL_DOTS };  // gemm.c's AVX-512 loops, AMX tiles, bf16 dot products (4-bit codes)
+enum { KERNEL_LOOPS, KERNEL_AMX, KERNEL_DOTS };  // gemm.c's AVX-512 loops, AMX tiles, bf16 dot products
 
 // A linear layer's weight [n, k] as gemm.c takes it (packed by backends/cpu/linear.py and gguf_linear.py):
 // int8 with a float32 scale per column, int4 with a scale and a minimum per group and column, blocks (GGUF's
@@ -102,10 +102,13 @@ static int project(const Weight *w, const Step *s, const uint16_t *x, uint16_t *
     int64_t m = s->tokens;
     if (w->kind == WEIGHT_SEGMENTS) return project_segments(w, s, x, y, k);
     int threads = s->threads, amx = s->kernel[w->kind] == KERNEL_AMX && amx_tiles(w->kind, k);
-    if (s->kernel[w->kind] == KERNEL_DOTS && w->kind == WEIGHT_INT4)
-        return gemm_int4_dots(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
-    if (s->kernel[w->kind] == KERNEL_DOTS && w->kind == WEIGHT_BLOCKS)
-        return gemm_blocks_dots(x, w->weight, w->blocks, y, m, w->n, k, threads);
+    if (s->kernel[w->kind] == KERNEL_DOTS) switch (w->kind) {
+            case WEIGHT_BF16: return gemm_bf16_dots(x, w->weight, y, m, w->n, k, threads);
+            case WEIGHT_INT8: return gemm_int8_dots(x, w->weight, w->scale, y, m, w->n, k, threads);
+            case WEIGHT_INT4: return gemm_int4_dots(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
+            case WEIGHT_BLOCKS: return gemm_blocks_dots(x, w->weight, w->blocks, y, m, w->n, k, threads);
+            case WEIGHT_Q8: return gemm_q8_dots(x, w->weight, w->scale, y, m, w->n, k, threads);
+        }
     switch (w->kind) {
         case WEIGHT_BF16:
             return (amx ? gemm_bf16_amx : gemm_bf16)(x, w->weight, y, m, w->n, k, threads);

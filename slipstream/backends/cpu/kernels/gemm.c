@@ -2,14 +2,15 @@
 // sizes where a library GEMM takes over. W is bf16 (`gemm_bf16`), int8 codes with one float32
 // scale per output column (`gemm_int8`: half the bytes to stream), or 4-bit codes in groups of
 // 32 along K with a scale and a minimum per group and column (`gemm_int4`: a quarter). Each
-// format has an AVX-512 inner loop and, on CPUs with AMX, a tile version (`gemm_*_amx`, at the
-// end) that reads the same packed W; backends/cpu/linear.py decides which serves how many rows. What
-// they share: W packed once in blocks of 16 output columns, sums that stay in registers or
-// tiles over K, each thread an equal share of the columns.
+// format has an AVX-512 inner loop, a bf16 dot-product version where those run at the FMA's rate
+// (`gemm_*_dots`), and on CPUs with AMX a tile version (`gemm_*_amx`, at the end), all reading the
+// same packed W; backends/cpu/linear.py decides which serves how many rows. What they share: W
+// packed once in blocks of 16 output columns, sums that stay in registers or tiles over K, each
+// thread an equal share of the columns.
 //
-// On CPUs without AMX, oneDNN's bf16 kernel and a vdpbf16ps kernel both top out near 75
-// GFLOP/s per core, while float32 FMAs reach 110-120: so W stays bf16 in memory (half the
-// bytes to stream) and is widened to float32 in registers, x is widened once per call.
+// On Intel's CPUs without AMX, oneDNN's bf16 kernel and a vdpbf16ps kernel both top out near 75
+// GFLOP/s per core, while float32 FMAs reach 110-120: so the loops keep W bf16 in memory (half the
+// bytes to stream) and widen it to float32 in registers, x is widened once per call.
 // bf16 W is packed once (backends/cpu/linear.py) as [N/16][K/2][16][2]: each pair of K steps of 16
 // output columns is one 64-byte load, and the layout of AMX's B tiles (16 pairs of K steps x
 // 16 columns). A shift (even K step) or a mask (odd) widens it to float32. A tile of MR rows x
@@ -626,19 +627,29 @@ static int64_t output_blocks(int64_t n, int silu) { return silu ? n / 32 : n / 1
 typedef struct {
     const void *w;
     GroupScales scales;  // int4: per group and column; int8: a NULL scale (exact codes)
+    const uint16_t *group_scale;  // Q8_0's int8 codes: float16 per group of Q8_GROUP and column (NULL: none)
 } Codes;
 
-// int8: quads [k/4][16][4] (k0 k2 k1 k3) -> the exact codes as bf16 pairs.
-static void widen_int8_block(const int8_t *w, int64_t k, uint16_t *out) {
+// 16 columns' values at an even and the next odd K step -> their bf16 pairs, rounded to nearest even.
+static inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(interleave), (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
+// int8: quads [k/4][16][4] (k0 k2 k1 k3) -> the exact codes as bf16 pairs; with Q8_0's `group_scale`
+// ([k/Q8_GROUP][16] float16), each code times its group's scale, rounded to bf16 once.
+static void widen_int8_block(const int8_t *w, const uint16_t *group_scale, int64_t k, uint16_t *out) {
+    __m512 s = _mm512_set1_ps(1.f);
     for (int64_t q = 0; q < k / 4; q++) {
+        if (group_scale && q % (Q8_GROUP / 4) == 0)
+            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group_scale + q / (Q8_GROUP / 4) * 16)));
         __m512i quads = _mm512_loadu_si512(w + q * 64);
         __m512i pairs[2] = {_mm512_srai_epi16(_mm512_slli_epi16(quads, 8), 8), _mm512_srai_epi16(quads, 8)};
         for (int h = 0; h < 2; h++) {  // each dword: two int16 codes, exact in float32 and in bf16
-            __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs[h], 16), 16));
-            __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs[h], 16));
-            __m512i bits = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                                                     _mm512_castps_si512(odd), _mm512_set1_epi32((int)0xFFFF0000), 0xF8);
-            _mm512_storeu_si512(out + (2 * q + h) * 32, bits);  // 0xF8: a | (b & c)
+            __m512 even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs[h], 16), 16)), s);
+            __m512 odd = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(pairs[h], 16)), s);
+            _mm512_storeu_si512(out + (2 * q + h) * 32, bf16_pairs(even, odd));
         }
     }
 }
@@ -647,9 +658,6 @@ static void widen_int8_block(const int8_t *w, int64_t k, uint16_t *out) {
 // q * scale + low; `kind` a constant in each copy, as for `tile_int4`.
 static inline __attribute__((always_inline)) void widen_codes(const uint8_t *w, const GroupScales *gs, int64_t scales,
                                                               int64_t k, uint16_t *out, int kind) {
-    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i order = _mm512_loadu_si512(interleave);
     for (int64_t g = 0; g < k / GROUP; g++) {
         __m512i high = planes_of(kind) > 0 ? _mm512_loadu_si512(gs->high + scales + g * 16) : _mm512_setzero_si512();
         __m512i sixth = planes_of(kind) > 1 ? _mm512_loadu_si512(gs->sixth + scales + g * 16) : _mm512_setzero_si512();
@@ -661,8 +669,7 @@ static inline __attribute__((always_inline)) void widen_codes(const uint8_t *w, 
                 __m512i pair = codes_at(kind, codes, high, sixth, c, t);
                 __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF))), s, m);
                 __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16)), s, m);
-                __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // even steps, then odd
-                _mm512_storeu_si512(out + ((g * GROUP / 8 + c) * 4 + t) * 32, _mm512_permutexvar_epi16(order, halves));
+                _mm512_storeu_si512(out + ((g * GROUP / 8 + c) * 4 + t) * 32, bf16_pairs(even, odd));
             }
         }
     }
@@ -682,15 +689,17 @@ static void widen_block(const Codes *c, int64_t b, int64_t k, uint16_t *out) {
     if (c->scales.scale)
         widen_int4_block((const uint8_t *)c->w + b * 8 * k, &c->scales, b * 16 * (k / GROUP), k, out);
     else
-        widen_int8_block((const int8_t *)c->w + b * 16 * k, k, out);
+        widen_int8_block((const int8_t *)c->w + b * 16 * k, c->group_scale ? c->group_scale + b * 16 * (k / Q8_GROUP)
+                         : NULL, k, out);
 }
 
 // --- bf16 dot products ----------------------------------------------------------------------
 // Where `vdpbf16ps` (two bf16 products added into each float32 lane) issues at the float32 FMA's rate
-// (AMD Zen 4: `CpuCapability.bf16_dots_win`), prefill of int4 codes and GGUF's nibble formats widens a
-// panel of two column blocks per thread to bf16 pairs, as the AMX path does, and multiplies it by DOT_ROWS
-// rows of x at a time, each row's bf16 pair broadcast against 16 columns' pairs: twice the multiply-adds
-// of the AVX-512 loops per instruction. The values are the AMX path's (q * scale + low rounded to bf16 once).
+// (AMD Zen 4: `CpuCapability.bf16_dots_win`), a thread's panel of two column blocks in bf16 pairs (the packed
+// bf16 weight as it is; int8, Q8_0 and 4-bit codes widened per call, as the AMX path widens them) is multiplied
+// by DOT_ROWS rows of x at a time, each row's bf16 pair broadcast against 16 columns' pairs: twice the
+// multiply-adds of the AVX-512 loops per instruction. Widened values are the AMX path's (int8 codes exact; Q8_0's
+// q * scale and 4-bit q * scale + low rounded to bf16 once); x is taken in bf16 as it is.
 #define DOT_ROWS 8
 
 static inline __attribute__((always_inline)) void dots_rows(const uint16_t *x, int64_t k, const uint16_t *w0,
@@ -727,24 +736,35 @@ static void dots_panel(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
     }
 }
 
-static int int4_dots(const uint16_t *x, const uint8_t *w_packed, GroupScales scales, uint16_t *y, int64_t m, int64_t n,
-                     int64_t k, int threads) {
-    if (n % 16 || k % GROUP) return -1;
-    Codes codes = {w_packed, scales};
+// The column scales of a panel's two blocks (silu: gate's and up's) into `scaled`; NULL without them.
+static const float *panel_scale(const float *column_scale, Panel p, float scaled[32]) {
+    if (!column_scale) return NULL;
+    memcpy(scaled, column_scale + 16 * p.first, 16 * sizeof(float));
+    if (p.cols == 2) memcpy(scaled + 16, column_scale + 16 * p.second, 16 * sizeof(float));  // a lone block has none
+    return scaled;
+}
+
+// bf16 weights packed as panels already (`plain`), or int8 (scale per column applied at the end) and 4-bit codes
+// through a widened panel per thread.
+static int dots_gemm(const uint16_t *x, const uint16_t *plain, const Codes *codes, const float *column_scale,
+                     uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
     int failed = 0;
-    Epilogue e = {NULL, 0};
 #pragma omp parallel num_threads(threads)
     {
-        uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * 32 * k);
+        uint16_t *panel = plain ? NULL : aligned_alloc(64, sizeof(uint16_t) * 32 * k);
         int64_t begin, end;
         thread_blocks(n / 16, &begin, &end);
-        for (int64_t b = begin; panel && b < end; b += 2) {
+        for (int64_t b = begin; (plain || panel) && b < end; b += 2) {
             Panel p = panel_at(b, end, 0, 0);
-            widen_block(&codes, p.first, k, panel);
-            if (p.cols == 2) widen_block(&codes, p.second, k, panel + 16 * k);
-            dots_panel(x, m, k, panel, panel + 16 * k, p.cols, &e, y + p.out, n);
+            const uint16_t *w0 = plain ? plain + p.first * 16 * k : panel, *w1 = plain ? plain + p.second * 16 * k
+                                                                                        : panel + 16 * k;
+            if (!plain) widen_block(codes, p.first, k, panel);
+            if (!plain && p.cols == 2) widen_block(codes, p.second, k, panel + 16 * k);
+            float scaled[32];
+            Epilogue e = {panel_scale(column_scale, p, scaled), 0};
+            dots_panel(x, m, k, w0, w1, p.cols, &e, y + p.out, n);
         }
-        if (!panel) {
+        if (!plain && !panel) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -753,8 +773,33 @@ static int int4_dots(const uint16_t *x, const uint8_t *w_packed, GroupScales sca
     return failed ? -1 : 0;
 }
 
-// gemm_int4 and gemm_blocks with bf16 dot products on widened panels; -1 when N % 16 or K % GROUP (k-quants:
-// 256) is not zero or memory runs out
+// gemm_bf16 with bf16 dot products on the packed weight as it is; -1 when N % 16 or K % 2 is not zero
+int gemm_bf16_dots(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                   int threads) {
+    return n % 16 || k % 2 ? -1 : dots_gemm(x, w_packed, NULL, NULL, y, m, n, k, threads);
+}
+
+// gemm_int8, gemm_q8, gemm_int4 and gemm_blocks with bf16 dot products on widened panels; -1 when N % 16 or
+// K % 4 (int8), K % 32 (Q8_0, int4), K % 256 (k-quants) is not zero or memory runs out. int8 multiplies bf16 x by the
+// exact codes, not x's 16-bit fixed point: its sums differ from gemm_int8's by x's rounding.
+int gemm_int8_dots(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
+                   int64_t k, int threads) {
+    Codes codes = {w_packed, {NULL, NULL, 0}};
+    return n % 16 || k % 4 ? -1 : dots_gemm(x, NULL, &codes, scale, y, m, n, k, threads);
+}
+
+int gemm_q8_dots(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, uint16_t *y, int64_t m, int64_t n,
+                 int64_t k, int threads) {
+    Codes codes = {w_packed, {NULL, NULL, 0}, scale};
+    return n % 16 || k % Q8_GROUP ? -1 : dots_gemm(x, NULL, &codes, NULL, y, m, n, k, threads);
+}
+
+static int int4_dots(const uint16_t *x, const uint8_t *w_packed, GroupScales scales, uint16_t *y, int64_t m, int64_t n,
+                     int64_t k, int threads) {
+    Codes codes = {w_packed, scales};
+    return n % 16 || k % GROUP ? -1 : dots_gemm(x, NULL, &codes, NULL, y, m, n, k, threads);
+}
+
 int gemm_int4_dots(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
                    int64_t m, int64_t n, int64_t k, int threads) {
     return int4_dots(x, w_packed, (GroupScales){scale, low, 0}, y, m, n, k, threads);
@@ -974,14 +1019,8 @@ static int gemm_widened(const uint16_t *x, const Codes *codes, const float *colu
             Panel p = panel_at(b, end, silu, blocks);
             widen_block(codes, p.first, k, panel);
             if (p.cols == 2) widen_block(codes, p.second, k, panel + 16 * k);
-            float scaled[32];  // the panel's two blocks' column scales (silu: gate's and up's)
-            const float *scale = NULL;
-            if (column_scale) {
-                memcpy(scaled, column_scale + 16 * p.first, 16 * sizeof(float));
-                memcpy(scaled + 16, column_scale + 16 * p.second, 16 * sizeof(float));
-                scale = scaled;
-            }
-            Epilogue e = {scale, silu};
+            float scaled[32];
+            Epilogue e = {panel_scale(column_scale, p, scaled), silu};
             amx_bf16_panel(x, m, k, panel, panel + 16 * k, p.cols, &e, y + p.out, width, &config);
         }
         if (!panel) {
@@ -1106,6 +1145,21 @@ int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, ui
 
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__))
 // built without AVX512-BF16: the policy gives "dots" only where the CPU has it, and native builds use it there
+int gemm_bf16_dots(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                   int threads) {
+    return -1;
+}
+
+int gemm_int8_dots(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
+                   int64_t k, int threads) {
+    return -1;
+}
+
+int gemm_q8_dots(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, uint16_t *y, int64_t m, int64_t n,
+                 int64_t k, int threads) {
+    return -1;
+}
+
 int gemm_int4_dots(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
                    int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
