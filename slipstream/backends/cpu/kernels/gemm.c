@@ -756,10 +756,14 @@ static int dots_gemm(const uint16_t *x, const uint16_t *plain, const Codes *code
         thread_blocks(n / 16, &begin, &end);
         for (int64_t b = begin; (plain || panel) && b < end; b += 2) {
             Panel p = panel_at(b, end, 0, 0);
-            const uint16_t *w0 = plain ? plain + p.first * 16 * k : panel, *w1 = plain ? plain + p.second * 16 * k
-                                                                                        : panel + 16 * k;
-            if (!plain) widen_block(codes, p.first, k, panel);
-            if (!plain && p.cols == 2) widen_block(codes, p.second, k, panel + 16 * k);
+            const uint16_t *w0, *w1;
+            if (plain) {
+                w0 = plain + p.first * 16 * k, w1 = plain + p.second * 16 * k;
+            } else {
+                widen_block(codes, p.first, k, panel);
+                if (p.cols == 2) widen_block(codes, p.second, k, panel + 16 * k);
+                w0 = panel, w1 = panel + 16 * k;
+            }
             float scaled[32];
             Epilogue e = {panel_scale(column_scale, p, scaled), 0};
             dots_panel(x, m, k, w0, w1, p.cols, &e, y + p.out, n);
