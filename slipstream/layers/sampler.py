@@ -99,13 +99,20 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list
     top_p = [p.top_p for p in params]
     if any(top_k) or any(p < 1.0 for p in top_p):
         probs = _top_k_top_p(probs, top_k, top_p)
-    noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=g) for g in generators]).to(probs.device)
+    noise = exponential_noise(probs.shape[1], generators).to(probs.device)
     tokens = argmax(probs / noise)
     rows = [i for i, d in enumerate(drafts) if d is not None]
     if rows:  # a greedy row needs no test: its draft stands where it is the argmax
         tokens[rows] = rejection_sampler.verify(probs[rows], [drafts[i] for i in rows],
                                                 [generators[i] for i in rows], noise[rows])
     return tokens
+
+
+def exponential_noise(size: int, generators: list[torch.Generator]) -> torch.Tensor:
+    """Each row's `size` Exp(1) draws from its own generator, as -log(U) of uniform draws in [0, 1) (a U of 0
+    gives inf: that token cannot win, a 2^-24 chance). torch 2.13's `exponential_` calls log1p per element,
+    serially: 17-18 ms a step for 16 rows of SmolLM2's 49k vocabulary, against 3-5 ms for this."""
+    return torch.stack([torch.rand(size, generator=g) for g in generators]).log_().neg_()
 
 
 def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
