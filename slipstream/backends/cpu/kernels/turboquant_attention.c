@@ -184,9 +184,10 @@ static inline __attribute__((always_inline)) void score_row(const Layout *kl, co
 
 #if VW == 16
 // Words [0, count) (count <= 8) of 16 rows at first + t * stride, transposed: word[i] holds word i of row t in lane
-// t. Eight masked loads and 32 in-lane shuffles where eight gathers of 16 lanes took ~18% of this kernel's cycles
-// at 16 x 4k (Zen 4). The halves of z[j] are rows a and a + 4; the unpacks transpose 4 x 4 words within each 128-bit
-// lane, and the lane shuffles put rows 0..15 in order.
+// t. Eight masked loads and up to 32 in-lane shuffles instead of a gather of 16 lanes per word: 4-bit keys' eight
+// gathers a block took ~18% of this kernel's cycles at 16 x 4k on Zen 4 (tq3, 4 x 4k, one core: 1.00 -> 0.84 ms).
+// The halves of z[j] are rows a and a + 4; the unpacks transpose 4 x 4 words within each 128-bit lane, and the lane
+// shuffles put rows 0..15 in order.
 static inline void transposed_words(const uint8_t *first, int64_t stride, int count, __m512i word[8]) {
     __mmask8 mask = (__mmask8)((1u << count) - 1);
     __m512i z[8];
@@ -234,8 +235,6 @@ static inline __attribute__((always_inline)) void score_words(const Piece *piece
 static inline __attribute__((always_inline)) void score_block(const Layout *kl, const uint8_t *first_row,
                                                               int64_t stride, const float *q, int group,
                                                               float scale, float scores[][MAX_BLOCK]) {
-    __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                      _mm512_set1_epi32((int)stride));
     vec total[MAX_GROUP];
     for (int g = 0; g < group; g++) total[g] = vzero();
     for (int p = 0, at = 0; p < kl->count; at += kl->pieces[p].count, p++) {
@@ -246,8 +245,9 @@ static inline __attribute__((always_inline)) void score_block(const Layout *kl, 
             score_words(piece, first_row + piece->offset, stride, q + at, kl->width, group, 4, acc);
         else
             score_words(piece, first_row + piece->offset, stride, q + at, kl->width, group, 2, acc);
-        __m512i norms = _mm512_i32gather_epi32(rows, first_row + piece->norm_at, 1);  // fp16 in the low half
-        vec s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(norms)), vsplat(piece->factor * scale));
+        __m512i norms[8];  // fp16 in the low half of word 0
+        transposed_words(first_row + piece->norm_at, stride, 1, norms);
+        vec s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(norms[0])), vsplat(piece->factor * scale));
         for (int g = 0; g < group; g++) total[g] = vfma(_mm512_add_ps(acc[g][0], acc[g][1]), s, total[g]);
     }
     for (int g = 0; g < group; g++) vstore(scores[g], total[g]);
