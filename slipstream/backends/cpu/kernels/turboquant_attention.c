@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void score_row(const Layout *kl, co
 
 #if VW == 16
 // Words [0, count) (count <= 8) of 16 rows at first + t * stride, transposed: word[i] holds word i of row t in lane
-// t. Eight masked loads and up to 32 in-lane shuffles instead of a gather of 16 lanes per word: 4-bit keys' eight
+// t. Sixteen masked row loads and up to 32 shuffles instead of a gather of 16 lanes per word: 4-bit keys' eight
 // gathers a block took ~18% of this kernel's cycles at 16 x 4k on Zen 4 (tq3, 4 x 4k, one core: 1.00 -> 0.84 ms).
 // The halves of z[j] are rows a and a + 4; the unpacks transpose 4 x 4 words within each 128-bit lane, and the lane
 // shuffles put rows 0..15 in order.
