@@ -181,8 +181,8 @@ def _read_by(layer: Linear) -> list[torch.Tensor]:
     layer has one, else PyTorch's layout (int4's plain nibbles serve prefill only)."""
     fmt = layer.method.name
     if fmt == "int4":
-        native = hasattr(layer, "packed_low")
-        return [layer.packed, layer.packed_scale, layer.packed_low] if native else [layer.qweight, layer.scales_and_zeros]
+        native = hasattr(layer, "packed_zero")
+        return [layer.packed, layer.packed_scale, layer.packed_zero] if native else [layer.qweight, layer.scales_and_zeros]
     if fmt == "int8":
         return [layer.packed, layer.scale_f32] if hasattr(layer, "scale_f32") else [layer.qweight, layer.scale]
     if fmt == "w8a8":

@@ -62,14 +62,14 @@ class TurboQuantEncode(ctypes.Structure):
 
 
 class Blocks(ctypes.Structure):
-    """gemm.c: a GGUF format repacked on nibbles (backends/cpu/gguf_repack.py), its scales and planes; NULL
-    where the format has none."""
-    _fields_ = [("scale", P), ("low", P), ("high", P), ("sixth", P), ("group", P)]
+    """gemm.c: 4-bit codes on nibbles, a GGUF format's (backends/cpu/gguf_repack.py) scales and planes or int4's
+    bf16 scales and zero points; NULL where the format has none."""
+    _fields_ = [("scale", P), ("low", P), ("high", P), ("sixth", P), ("group", P), ("zero", P)]
 
 
 class Weight(ctypes.Structure):
     """decoder_layer.c: a linear layer's packed weight, of one of the weight kinds."""
-    _fields_ = [("kind", I32), ("parts", I32), ("weight", P), ("scale", P), ("low", P), ("blocks", P), ("n", I64)]
+    _fields_ = [("kind", I32), ("parts", I32), ("weight", P), ("scale", P), ("blocks", P), ("n", I64)]
 
 
 class TurboQuantLayer(ctypes.Structure):
@@ -91,7 +91,7 @@ class Layer(ctypes.Structure):
 class Step(ctypes.Structure):
     """decoder_layer.c: what every layer of a decode step shares."""
     _fields_ = [("tokens", I64), ("slots", P), ("block_tables", P), ("context_lens", P), ("positions", P),
-                ("cos", P * 2), ("sin", P * 2), ("max_blocks", I32), ("threads", I32), ("kernel", I32 * 5)]
+                ("cos", P * 2), ("sin", P * 2), ("max_blocks", I32), ("threads", I32), ("kernel", I32 * 4)]
 
 
 # each mirror and the kernel that exports its C size (`sizeof_<name>`), checked when a build loads
@@ -141,11 +141,10 @@ class Kernels:
     turboquant_encode = Function("turboquant_encode", ctypes.POINTER(TurboQuantEncode), restype=STATUS)
     # 1 where built with a path for this ISA (AVX-512), else 0 and every call returns -1
     gemm_bf16_available = Function("gemm", restype=ctypes.c_int)
-    # (x, packed w, y, m, n, k, threads); int8 takes its scale after w, int4 its scale and low
+    # (x, packed w, y, m, n, k, threads); int8 takes its scale after w
     gemm_bf16 = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_int4 = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    # int8 with a float16 scale per group of 32 and column (GGUF's Q8_0 repacked); GGUF's formats on nibbles
+    # int8 with a float16 scale per group of 32 and column (GGUF's Q8_0 repacked); int4 and GGUF's formats on nibbles
     gemm_q8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
     # (packed, scale, ids int64, count, n, k, out float32 [count, K]): rows of a gemm_q8 weight; -1: an id outside N
@@ -155,20 +154,17 @@ class Kernels:
     gemm_amx_available = Function("gemm", restype=ctypes.c_int)
     gemm_bf16_amx = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8_amx = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_int4_amx = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_bf16_amx_silu = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8_amx_silu = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8_amx_widened = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8_amx_widened_silu = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_int4_amx_silu = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks_amx = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks_amx_silu = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
-    # gemm_bf16, gemm_int8, gemm_q8, gemm_int4 and gemm_blocks with bf16 dot products on bf16 panels (codes widened to
+    # gemm_bf16, gemm_int8, gemm_q8 and gemm_blocks with bf16 dot products on bf16 panels (codes widened to
     # them; -1 where built without AVX512-BF16)
     gemm_bf16_dots = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8_dots = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_q8_dots = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)
-    gemm_int4_dots = Function("gemm", P, P, P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_blocks_dots = Function("gemm", P, P, ctypes.POINTER(Blocks), P, I64, I64, I64, I32, restype=STATUS)
     # (gate_up, act, tokens, width, threads): act [tokens, width] = silu(gate) * up, as the _silu epilogues round;
     # gelu(gate) * up (tanh approximation) rounded alike
@@ -197,7 +193,6 @@ class Kernels:
     turboquant_row_slack = Constant("turboquant_attention")
     weight_kind_bf16 = Constant("decoder_layer")
     weight_kind_int8 = Constant("decoder_layer")
-    weight_kind_int4 = Constant("decoder_layer")
     weight_kind_blocks = Constant("decoder_layer")
     weight_kind_q8 = Constant("decoder_layer")
     weight_kind_segments = Constant("decoder_layer")

@@ -161,8 +161,8 @@ class DecodeStack:
     def _step(self, meta: AttentionMetadata, positions: torch.Tensor, tokens: int) -> abi.Step:
         """The step's C description: one struct, refilled (building one cost ~20 us a step)."""
         step = self.step
-        if step.tokens != tokens:  # the kernel per weight kind (blocks: GGUF's, on int4's; q8: int8's, its AMX = loops)
-            step.kernel[:] = [self.policy.stack_kernel(fmt, tokens) for fmt in ("bf16", "int8", "int4", "int4", "int8")]
+        if step.tokens != tokens:  # the kernel per weight kind (blocks: int4's; q8: int8's, its AMX = loops)
+            step.kernel[:] = [self.policy.stack_kernel(fmt, tokens) for fmt in ("bf16", "int8", "int4", "int8")]
         self.rotations.place(step, max(meta.context_lens) - 1)
         # every row decodes: the whole block table and seq_lens are the decode rows'
         step.tokens, step.slots, step.positions = tokens, meta.slot_mapping.data_ptr(), positions.data_ptr()

@@ -37,7 +37,7 @@ from torch import nn
 
 from slipstream.backends.cpu import abi
 from slipstream.backends.cpu.gguf_repack import REPACKED, dequantized, repack, selected
-from slipstream.backends.cpu.linear import GemmPolicy, NativeCodes, dense_linear, native_matmul
+from slipstream.backends.cpu.linear import GemmPolicy, NativeCodes, NativeNibbles, dense_linear, native_matmul
 from slipstream.layers.gguf_linear import BlockRows, GGUFLinear, segments, split_segments
 from slipstream.layers.linear import Linear, LinearMethod
 
@@ -157,34 +157,13 @@ class Repacked(LinearMethod):
         return dequantized(selected(layer, ids))
 
 
-class NativeBlocks(NativeCodes, Repacked):
+class NativeBlocks(NativeNibbles, Repacked):
     """GGUF's formats repacked on nibbles (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) on gemm.c's int4
     kernels (`gemm_blocks*`) wherever the GemmPolicy gives int4 one, in the decode stack too."""
-
-    layout = "int4"
 
     def __init__(self, policy: GemmPolicy, upcast: bool):
         super().__init__(upcast)
         self.policy = policy
-
-    def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
-        return native_matmul(x, layer.packed, kernel=kernel, silu=silu, blocks=_blocks(layer))
-
-    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
-        return abi.Weight(kind=lib.weight_kind_blocks, weight=layer.packed.data_ptr(),
-                          blocks=ctypes.addressof(_blocks(layer)), n=layer.out_features)
-
-
-def _blocks(layer: Linear) -> abi.Blocks:
-    """The layer's Blocks, built once for where its buffers lie (7 us a call, a quarter of a small
-    projection's; a layer's buffers move together, so its codes' address keys them)."""
-    at, blocks = layer.__dict__.get("blocks_struct", (None, None))
-    if at != layer.packed.data_ptr():
-        pointer = lambda name: None if getattr(layer, name, None) is None else getattr(layer, name).data_ptr()  # noqa: E731
-        at = layer.packed.data_ptr()
-        blocks = abi.Blocks(*(pointer("packed_" + f) for f in ("scale", "low", "high", "sixth", "group")))
-        layer.__dict__["blocks_struct"] = at, blocks
-    return blocks
 
 
 class NativeQ8(NativeCodes, Repacked):

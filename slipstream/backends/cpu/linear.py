@@ -36,6 +36,7 @@ where bf16 dot products win it costs half of oneDNN's rate on bf16 prefill.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -229,32 +230,47 @@ class NativeInt8(NativeCodes, Int8):
                           n=layer.out_features)
 
 
-class NativeInt4(NativeCodes, Int4):
+class NativeNibbles(NativeCodes):
+    """Mixed into a method whose layers hold 4-bit codes as `pack_nibbles` lays them out, with the
+    buffers `blocks_of` reads: gemm.c's kernels for 4-bit codes (`gemm_blocks*`)."""
+
     layout = "int4"
+
+    def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
+        return native_matmul(x, layer.packed, kernel=kernel, silu=silu, blocks=blocks_of(layer))
+
+    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
+        return abi.Weight(kind=lib.weight_kind_blocks, weight=layer.packed.data_ptr(),
+                          blocks=ctypes.addressof(blocks_of(layer)), n=layer.out_features)
+
+
+class NativeInt4(NativeNibbles, Int4):
+    """int4 codes on the kernels of GGUF's nibble formats, with the bf16 scales and zero points PyTorch's
+    kernel takes (gemm.c's `Blocks.zero`): the same values, 0.625 bytes a weight."""
 
     def __init__(self, policy: GemmPolicy):
         self.policy = policy
 
     def create(self, layer: Linear) -> None:
         super().create(layer)
-        for name, value in zip(("packed", "packed_scale", "packed_low"), self._pack(layer)):
-            layer.register_buffer(name, value)
+        scale, zero = layer.scales_and_zeros.to(torch.bfloat16).unbind(-1)  # [groups, N]: bf16 models' own values
+        by_block = lambda t: t.view(t.shape[0], -1, 16).transpose(0, 1).contiguous()  # noqa: E731
+        layer.register_buffer("packed", pack_nibbles(self.codes(layer)))
+        layer.register_buffer("packed_scale", by_block(scale))  # [N/16, groups, 16]
+        layer.register_buffer("packed_zero", by_block(zero))
 
-    def _pack(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For kernels/gemm.c: codes as [N/16, K/8, 16, 4] bytes, eight K steps per column's
-        dword with nibbles in the order 0 2 4 6 1 3 5 7; scale and low (the group's minimum)
-        [N/16, groups, 16] float32 from the kernel's own rounded values."""
-        n = layer.out_features
-        scale, zero = layer.scales_and_zeros.float().unbind(-1)  # [groups, N]
-        by_block = lambda t: t.view(t.shape[0], n // 16, 16).transpose(0, 1).contiguous()  # noqa: E731
-        return pack_nibbles(self.codes(layer)), by_block(scale), by_block(zero - 8 * scale)
 
-    def native_mm(self, layer: Linear, x: torch.Tensor, kernel: str, silu: bool = False) -> torch.Tensor:
-        return native_matmul(x, layer.packed, layer.packed_scale, layer.packed_low, kernel=kernel, silu=silu)
-
-    def weight_struct(self, layer: Linear, lib: abi.Kernels) -> abi.Weight:
-        return abi.Weight(kind=lib.weight_kind_int4, weight=layer.packed.data_ptr(),
-                          scale=layer.packed_scale.data_ptr(), low=layer.packed_low.data_ptr(), n=layer.out_features)
+def blocks_of(layer: Linear) -> abi.Blocks:
+    """The Blocks of a layer's nibbles (`packed_scale`, and GGUF's minimums and planes or int4's zero points),
+    built once for where its buffers lie (7 us a call, a quarter of a small projection's; a layer's
+    buffers move together, so its codes' address keys them)."""
+    at, blocks = layer.__dict__.get("blocks_struct", (None, None))
+    if at != layer.packed.data_ptr():
+        pointer = lambda name: None if getattr(layer, name, None) is None else getattr(layer, name).data_ptr()  # noqa: E731
+        at = layer.packed.data_ptr()
+        blocks = abi.Blocks(*(pointer("packed_" + f) for f in ("scale", "low", "high", "sixth", "group", "zero")))
+        layer.__dict__["blocks_struct"] = at, blocks
+    return blocks
 
 
 def native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -313,14 +329,12 @@ def unpack_quads(packed: torch.Tensor) -> torch.Tensor:
     return packed.transpose(1, 2)[..., [0, 2, 1, 3]].reshape(blocks * columns, steps * 4)
 
 
-def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None,
-                  low: torch.Tensor | None = None, kernel: str = "avx512", silu: bool = False,
-                  blocks: abi.Blocks | None = None) -> torch.Tensor:
+def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None = None, kernel: str = "avx512",
+                  silu: bool = False, blocks: abi.Blocks | None = None) -> torch.Tensor:
     """x [M, K] bf16 times a packed weight, transposed: [M, N] bf16, on `kernel` ("avx512", "amx"
     or, for int8, "amx_widened"; for 4-bit codes, "dots": see `GemmPolicy`). The weight is bf16 (`pack_columns`), int8
-    codes with a float32 `scale` per output column (`pack_quads`), or 4-bit codes with `scale`
-    and `low` per group and column (`NativeInt4._pack`), int8 codes with a float16 scale per group (GGUF's
-    Q8_0 repacked), or GGUF's other formats repacked on nibbles as `blocks` describes them
+    codes with a float32 `scale` per output column (`pack_quads`), int8 codes with a float16 scale per group (GGUF's
+    Q8_0 repacked), or 4-bit codes (int4, GGUF's other formats repacked on nibbles) as `blocks` describes them
     (gguf_repack.py). With `silu` (AMX only) the weight is a fused [gate; up]
     projection and the result silu(gate) * up, [M, N/2]."""
     x = x.contiguous()
@@ -335,11 +349,8 @@ def native_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | N
         status = getattr(lib, "gemm_blocks" + suffix)(x.data_ptr(), packed.data_ptr(), blocks, *args)
     elif scale.dtype == torch.float16:  # GGUF's Q8_0 repacked (gguf_linear.py)
         status = getattr(lib, "gemm_q8" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
-    elif low is None:
-        status = getattr(lib, "gemm_int8" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
     else:
-        status = getattr(lib, "gemm_int4" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), low.data_ptr(),
-                                                    *args)
+        status = getattr(lib, "gemm_int8" + suffix)(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), *args)
     if status != 0:  # shapes were checked when packing; what is left is a failed allocation
         raise MemoryError(f"native GEMM could not allocate its copy of the {x.shape[0]}x{k} input")
     return out

@@ -19,17 +19,17 @@
 #include "rotary.c"
 #include "turboquant.h"
 
-enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4, WEIGHT_BLOCKS, WEIGHT_Q8, WEIGHT_SEGMENTS };
+enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_BLOCKS, WEIGHT_Q8, WEIGHT_SEGMENTS };
 enum { KERNEL_LOOPS, KERNEL_AMX, KERNEL_DOTS };  // gemm.c's AVX-512 loops, AMX tiles, bf16 dot products
 
 // A linear layer's weight [n, k] as gemm.c takes it (packed by backends/cpu/linear.py and gguf_linear.py):
-// int8 with a float32 scale per column, int4 with a scale and a minimum per group and column, blocks (GGUF's
-// formats repacked on nibbles, `gemm_blocks`), q8 (GGUF's Q8_0: int8 with a float16 scale per group, `gemm_q8`),
+// int8 with a float32 scale per column, blocks (4-bit codes: int4, GGUF's formats repacked on nibbles,
+// `gemm_blocks`), q8 (GGUF's Q8_0: int8 with a float16 scale per group, `gemm_q8`),
 // or segments: `parts` weights of those kinds side by side in the output (a projection fused from two formats).
 typedef struct Weight {
     int32_t kind, parts;
     const void *weight;       // segments: the parts' Weights
-    const void *scale, *low;  // float32; float16 for q8
+    const void *scale;  // float32; float16 for q8
     const Blocks *blocks;
     int64_t n;
 } Weight;
@@ -73,8 +73,8 @@ typedef struct {
 } Step;
 
 // Read by backends/cpu/abi.py: the weight kinds, and the sizes its mirrors of the structs are checked against.
-const int32_t weight_kind_bf16 = WEIGHT_BF16, weight_kind_int8 = WEIGHT_INT8, weight_kind_int4 = WEIGHT_INT4,
-              weight_kind_blocks = WEIGHT_BLOCKS, weight_kind_q8 = WEIGHT_Q8, weight_kind_segments = WEIGHT_SEGMENTS;
+const int32_t weight_kind_bf16 = WEIGHT_BF16, weight_kind_int8 = WEIGHT_INT8, weight_kind_blocks = WEIGHT_BLOCKS,
+              weight_kind_q8 = WEIGHT_Q8, weight_kind_segments = WEIGHT_SEGMENTS;
 const int32_t sizeof_Weight = sizeof(Weight), sizeof_Layer = sizeof(Layer), sizeof_Step = sizeof(Step),
               sizeof_TurboQuantLayer = sizeof(TurboQuantLayer);
 
@@ -105,7 +105,6 @@ static int project(const Weight *w, const Step *s, const uint16_t *x, uint16_t *
     if (s->kernel[w->kind] == KERNEL_DOTS) switch (w->kind) {
             case WEIGHT_BF16: return gemm_bf16_dots(x, w->weight, y, m, w->n, k, threads);
             case WEIGHT_INT8: return gemm_int8_dots(x, w->weight, w->scale, y, m, w->n, k, threads);
-            case WEIGHT_INT4: return gemm_int4_dots(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
             case WEIGHT_BLOCKS: return gemm_blocks_dots(x, w->weight, w->blocks, y, m, w->n, k, threads);
             case WEIGHT_Q8: return gemm_q8_dots(x, w->weight, w->scale, y, m, w->n, k, threads);
         }
@@ -114,8 +113,6 @@ static int project(const Weight *w, const Step *s, const uint16_t *x, uint16_t *
             return (amx ? gemm_bf16_amx : gemm_bf16)(x, w->weight, y, m, w->n, k, threads);
         case WEIGHT_INT8:
             return (amx ? gemm_int8_amx : gemm_int8)(x, w->weight, w->scale, y, m, w->n, k, threads);
-        case WEIGHT_INT4:
-            return (amx ? gemm_int4_amx : gemm_int4)(x, w->weight, w->scale, w->low, y, m, w->n, k, threads);
         case WEIGHT_BLOCKS:
             return (amx ? gemm_blocks_amx : gemm_blocks)(x, w->weight, w->blocks, y, m, w->n, k, threads);
         case WEIGHT_Q8:  // no AMX form
@@ -231,7 +228,6 @@ static int gated_projection(const Layer *l, const Step *s, const uint16_t *x, ui
     if (!l->gelu && s->kernel[w->kind] == KERNEL_AMX && amx_tiles(w->kind, k) && w->n % 32 == 0) switch (w->kind) {
             case WEIGHT_BF16: return gemm_bf16_amx_silu(x, w->weight, act, m, w->n, k, s->threads);
             case WEIGHT_INT8: return gemm_int8_amx_silu(x, w->weight, w->scale, act, m, w->n, k, s->threads);
-            case WEIGHT_INT4: return gemm_int4_amx_silu(x, w->weight, w->scale, w->low, act, m, w->n, k, s->threads);
             case WEIGHT_BLOCKS: return gemm_blocks_amx_silu(x, w->weight, w->blocks, act, m, w->n, k, s->threads);
         }
     if (project(w, s, x, gate_up, k)) return -1;

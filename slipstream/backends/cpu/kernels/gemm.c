@@ -1,7 +1,8 @@
 // y[M, N] = x[M, K] . W[N, K]^T for bf16 x and bf16 y: the GEMM of every Linear below the
 // sizes where a library GEMM takes over. W is bf16 (`gemm_bf16`), int8 codes with one float32
 // scale per output column (`gemm_int8`: half the bytes to stream), or 4-bit codes in groups of
-// 32 along K with a scale and a minimum per group and column (`gemm_int4`: a quarter). Each
+// 32 along K with a scale and a minimum (or zero point) per group and column: int4 and GGUF's
+// nibble formats (`gemm_blocks`: about a quarter). Each
 // format has an AVX-512 inner loop, a bf16 dot-product version where those run at the FMA's rate
 // (`gemm_*_dots`), and on CPUs with AMX a tile version (`gemm_*_amx`, at the end), all reading the
 // same packed W; backends/cpu/linear.py decides which serves how many rows. What they share: W
@@ -26,13 +27,14 @@
 #include "bf16.h"
 #include "vector_math.h"
 
-// GGUF's formats repacked on nibbles (`gemm_blocks`, gguf_repack.py): float16 scale and low (NULL: -8
-// scale, or -16 with a plane of fifth bits), k-quants' group scales and minimums, Q6_K's int8 scales and
-// sixth bits
+// 4-bit codes on nibbles (`gemm_blocks`): GGUF's formats (gguf_repack.py): float16 scale and low (NULL: -8
+// scale, or -16 with a plane of fifth bits), k-quants' group scales and minimums, Q6_K's int8 scales and sixth
+// bits; or int4's bf16 scale and zero point (`zero`; w = (q - 8) * scale + zero)
 typedef struct {
     const uint16_t *scale, *low;
     const uint32_t *high, *sixth;
     const uint8_t *group;
+    const uint16_t *zero;
 } Blocks;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -353,10 +355,10 @@ int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, ui
 // of 16-bit codes for steps 2t and 2t+1, ready for `vpdpwssd`: three ops per 32 multiply-adds,
 // where widening nibbles to float32 took seven. Per group, the int32 sums of xq * q join the
 // total as (sum * scale + (sum of the group's xq) * low) * the group's scale of x. scale, low:
-// [N/16][K/GROUP][16] float32, or float16 (`gemm_blocks`): GGUF's Q4_1 and Q4_0 repacked from a
-// file's blocks keep their scales as the file stores them, the same bytes per weight; Q4_0 has
-// no low (NULL), which is -8 * scale.
-// `gemm_blocks` takes every GGUF format repacked on nibbles (gguf_repack.py), described by a `Blocks`:
+// [N/16][K/GROUP][16] float16: GGUF's Q4_1 and Q4_0 repacked from a file's blocks as the file stores
+// them, the same bytes per weight; Q4_0 has no low (NULL), which is -8 * scale. int4 (layers/quantization.py)
+// gives scale and `zero` in bf16, the values PyTorch's kernel takes, and low is zero - 8 * scale (exact).
+// `gemm_blocks` takes int4 and every GGUF format repacked on nibbles (gguf_repack.py), described by a `Blocks`:
 // Q5_0 / Q5_1 add each code's fifth bit from a plane `high`, one dword
 // per group and column ([N/16][K/GROUP][16], the file's 4 bytes per block): bit p holds K step 2p of
 // the group, bit 16 + p step 2p + 1, so that rotating the dword right by p - 4 and masking with
@@ -374,8 +376,8 @@ int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, ui
 #define NR4 2  // 16-column blocks per tile of MR4 or MR8 rows; fewer rows take twice as many (more independent sums)
 
 typedef struct {
-    const void *scale, *low;
-    int half;
+    const uint16_t *scale, *low;  // float16; with zero, scale is bf16 and low NULL
+    const uint16_t *zero;  // int4's zero points (bf16), or NULL
     const uint32_t *high;  // fifth bits (gemm_q5), or NULL
     const uint8_t *group;  // k-quants' 6-bit scale and minimum per group (gemm_qk), Q6_K's int8 scales, or NULL
     const uint32_t *sixth;  // Q6_K's sixth bits, or NULL
@@ -407,29 +409,33 @@ static inline __m512i codes_at(int kind, __m512i codes, __m512i high, __m512i si
     return q;
 }
 
-static inline __m512 scales16(const void *p, int half, int64_t at) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)))
-                : _mm512_loadu_ps((const float *)p + at);
+static inline __m512 scales16(const uint16_t *p, int64_t at) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + at)));
 }
 
 // scale and low of the 16 columns whose first entry is `at`, for the group's first or second `half` (Q6_K)
 static inline void scale_and_low(const GroupScales *gs, int kind, int64_t at, int half, __m512 *s, __m512 *m) {
     if (kind == Q6K) {  // at / 16: the group's index over all column blocks; eight groups per d
         __m128i sc = _mm_loadu_si128((const __m128i *)(gs->group + at * 2 + half * 16));
-        *s = _mm512_mul_ps(scales16(gs->scale, 1, at / 128 * 16), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        *s = _mm512_mul_ps(scales16(gs->scale, at / 128 * 16), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
         *m = _mm512_mul_ps(*s, _mm512_set1_ps(-32.0f));
         return;
     }
     if (kind == K_QUANT || kind == K_QUANT_FIFTH) {
         const uint8_t *sc = gs->group + at * 2;
-        __m512 d = scales16(gs->scale, 1, at / 128 * 16), dmin = scales16(gs->low, 1, at / 128 * 16);
+        __m512 d = scales16(gs->scale, at / 128 * 16), dmin = scales16(gs->low, at / 128 * 16);
         *s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc))));
         *m = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin),
                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16)))));
         return;
     }
-    *s = scales16(gs->scale, gs->half, at);
-    *m = gs->low ? scales16(gs->low, gs->half, at) : _mm512_mul_ps(*s, _mm512_set1_ps(kind == FIFTH ? -16.0f : -8.0f));
+    if (gs->zero) {
+        *s = widen16(gs->scale + at);
+        *m = _mm512_fmadd_ps(*s, _mm512_set1_ps(-8.0f), widen16(gs->zero + at));
+        return;
+    }
+    *s = scales16(gs->scale, at);
+    *m = gs->low ? scales16(gs->low, at) : _mm512_mul_ps(*s, _mm512_set1_ps(kind == FIFTH ? -16.0f : -8.0f));
 }
 
 // Asks for what a 16-column block's group at `at` (as scale_and_low takes it) reads besides its codes.
@@ -440,9 +446,9 @@ static inline void prefetch_scales(const GroupScales *gs, int kind, int64_t at) 
         _mm_prefetch((const char *)(gs->group + at * 2), ROW_PREFETCH);
         return;
     }
-    int size = gs->half ? 2 : 4;
-    _mm_prefetch((const char *)gs->scale + at * size, ROW_PREFETCH);
-    if (gs->low) _mm_prefetch((const char *)gs->low + at * size, ROW_PREFETCH);
+    _mm_prefetch((const char *)(gs->scale + at), ROW_PREFETCH);
+    if (gs->low) _mm_prefetch((const char *)(gs->low + at), ROW_PREFETCH);
+    if (gs->zero) _mm_prefetch((const char *)(gs->zero + at), ROW_PREFETCH);
 }
 
 // scales: the first of this tile's 16-column block in gs; x_scale: x's per group, row after row
@@ -567,16 +573,12 @@ static int int4_gemm(const uint16_t *x, const uint8_t *w_packed, const GroupScal
     return 0;
 }
 
-// Returns 0, or -1 when N % 16 or K % GROUP is not zero or memory runs out.
-int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-              int64_t m, int64_t n, int64_t k, int threads) {
-    GroupScales gs = {scale, low, 0, NULL, NULL, NULL};
-    return int4_gemm(x, w_packed, &gs, y, m, n, k, threads);
+static GroupScales block_scales(const Blocks *b) {
+    return (GroupScales){b->scale, b->low, b->zero, b->high, b->group, b->sixth};
 }
 
-static GroupScales block_scales(const Blocks *b) { return (GroupScales){b->scale, b->low, 1, b->high, b->group, b->sixth}; }
-
-// -1 also when K % 256 is not zero for the k-quants' and Q6_K's super-blocks
+// Returns 0, or -1 when N % 16 or K % GROUP is not zero, K % 256 for the k-quants' and Q6_K's super-blocks,
+// or memory runs out.
 int gemm_blocks(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
                 int64_t k, int threads) {
     GroupScales gs = block_scales(b);
@@ -783,18 +785,18 @@ int gemm_bf16_dots(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int
     return n % 16 || k % 2 ? -1 : dots_gemm(x, w_packed, NULL, NULL, y, m, n, k, threads);
 }
 
-// gemm_int8, gemm_q8, gemm_int4 and gemm_blocks with bf16 dot products on widened panels; -1 when N % 16 or
+// gemm_int8, gemm_q8 and gemm_blocks with bf16 dot products on widened panels; -1 when N % 16 or
 // K % 4 (int8), K % 32 (Q8_0, int4), K % 256 (k-quants) is not zero or memory runs out. int8 multiplies bf16 x by the
 // exact codes, not x's 16-bit fixed point: its sums differ from gemm_int8's by x's rounding.
 int gemm_int8_dots(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
                    int64_t k, int threads) {
-    Codes codes = {w_packed, {NULL, NULL, 0}};
+    Codes codes = {w_packed, {NULL, NULL}};
     return n % 16 || k % 4 ? -1 : dots_gemm(x, NULL, &codes, scale, y, m, n, k, threads);
 }
 
 int gemm_q8_dots(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, uint16_t *y, int64_t m, int64_t n,
                  int64_t k, int threads) {
-    Codes codes = {w_packed, {NULL, NULL, 0}, scale};
+    Codes codes = {w_packed, {NULL, NULL}, scale};
     return n % 16 || k % Q8_GROUP ? -1 : dots_gemm(x, NULL, &codes, NULL, y, m, n, k, threads);
 }
 
@@ -802,11 +804,6 @@ static int int4_dots(const uint16_t *x, const uint8_t *w_packed, GroupScales sca
                      int64_t k, int threads) {
     Codes codes = {w_packed, scales};
     return n % 16 || k % GROUP ? -1 : dots_gemm(x, NULL, &codes, NULL, y, m, n, k, threads);
-}
-
-int gemm_int4_dots(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-                   int64_t m, int64_t n, int64_t k, int threads) {
-    return int4_dots(x, w_packed, (GroupScales){scale, low, 0}, y, m, n, k, threads);
 }
 
 int gemm_blocks_dots(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
@@ -1037,7 +1034,7 @@ static int gemm_widened(const uint16_t *x, const Codes *codes, const float *colu
     return failed ? -1 : 0;
 }
 
-static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, GroupScales scales, uint16_t *y, int64_t m,
+static int gemm_nibble_tiles(const uint16_t *x, const uint8_t *w_packed, GroupScales scales, uint16_t *y, int64_t m,
                            int64_t n, int64_t k, int threads, int silu) {
     if (n % (silu ? 32 : 16) || k % GROUP || !amx_ready()) return -1;
     Codes codes = {w_packed, scales};
@@ -1050,7 +1047,7 @@ static int gemm_int4_tiles(const uint16_t *x, const uint8_t *w_packed, GroupScal
 static int gemm_int8_widened(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
                              int64_t n, int64_t k, int threads, int silu) {
     if (n % (silu ? 32 : 16) || k % 64 || !amx_ready()) return -1;
-    Codes codes = {w_packed, {NULL, NULL, 0}};
+    Codes codes = {w_packed, {NULL, NULL}};
     return gemm_widened(x, &codes, scale, y, m, n, k, threads, silu);
 }
 
@@ -1083,28 +1080,16 @@ int gemm_int8_amx_silu(const uint16_t *x, const int8_t *w_packed, const float *s
     return gemm_int8_tiles(x, w_packed, scale, y, m, n, k, threads, 1);
 }
 
-// Returns 0, or -1 when N % 16 or K % 32 is not zero, AMX is unavailable or memory runs out.
-int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-                  int64_t m, int64_t n, int64_t k, int threads) {
-    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 0}, y, m, n, k, threads, 0);
-}
-
-// y [M][N/2] = silu(gate) * up; -1 when N % 32 or K % 32 is not zero, AMX is unavailable or
-// memory runs out.
-int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-                       int64_t m, int64_t n, int64_t k, int threads) {
-    return gemm_int4_tiles(x, w_packed, (GroupScales){scale, low, 0}, y, m, n, k, threads, 1);
-}
-
-// gemm_blocks on AMX tiles, as gemm_int4_amx and gemm_int4_amx_silu
+// gemm_blocks on AMX tiles; -1 when N % 16 (silu: % 32) or K % 32 is not zero (K % 256 for the k-quants' and
+// Q6_K's super-blocks), AMX is unavailable or memory runs out. _silu: y [M][N/2] = silu(gate) * up.
 int gemm_blocks_amx(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
                     int64_t k, int threads) {
-    return b->group && k % 256 ? -1 : gemm_int4_tiles(x, w_packed, block_scales(b), y, m, n, k, threads, 0);
+    return b->group && k % 256 ? -1 : gemm_nibble_tiles(x, w_packed, block_scales(b), y, m, n, k, threads, 0);
 }
 
 int gemm_blocks_amx_silu(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m,
                          int64_t n, int64_t k, int threads) {
-    return b->group && k % 256 ? -1 : gemm_int4_tiles(x, w_packed, block_scales(b), y, m, n, k, threads, 1);
+    return b->group && k % 256 ? -1 : gemm_nibble_tiles(x, w_packed, block_scales(b), y, m, n, k, threads, 1);
 }
 #endif
 #else
@@ -1128,11 +1113,6 @@ int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t 
 
 int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
               int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_int4(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-              int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
 
@@ -1164,11 +1144,6 @@ int gemm_q8_dots(const uint16_t *x, const int8_t *w_packed, const uint16_t *scal
     return -1;
 }
 
-int gemm_int4_dots(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-                   int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
 int gemm_blocks_dots(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uint16_t *y, int64_t m, int64_t n,
                      int64_t k, int threads) {
     return -1;
@@ -1189,11 +1164,6 @@ int gemm_int8_amx(const uint16_t *x, const int8_t *w_packed, const float *scale,
     return -1;
 }
 
-int gemm_int4_amx(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-                  int64_t m, int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
 int gemm_bf16_amx_silu(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
                        int threads) {
     return -1;
@@ -1211,11 +1181,6 @@ int gemm_int8_amx_widened(const uint16_t *x, const int8_t *w_packed, const float
 
 int gemm_int8_amx_widened_silu(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m,
                                int64_t n, int64_t k, int threads) {
-    return -1;
-}
-
-int gemm_int4_amx_silu(const uint16_t *x, const uint8_t *w_packed, const float *scale, const float *low, uint16_t *y,
-                       int64_t m, int64_t n, int64_t k, int threads) {
     return -1;
 }
 
