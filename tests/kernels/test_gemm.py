@@ -104,6 +104,14 @@ def test_native_quantized_gemm_equals_the_dequantized_product(kernel, fmt, rows,
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+def test_int4_copy_is_as_small_as_q4_1():
+    """What a decode step reads of an int4 layer: nibbles and a 16-bit scale and zero point per group of 32 and
+    column, 0.625 bytes a weight, as a GGUF file's Q4_1 blocks (float32 scales took 0.75)."""
+    layer = native(Linear(128, 64, bias=False).bfloat16(), "int4", Forced("avx512"))
+    read = [layer.packed, layer.packed_scale, layer.packed_zero]
+    assert sum(t.numel() * t.element_size() for t in read) == 128 * 64 * 5 // 8
+
+
 @pytest.mark.parametrize("rows", [1, 9, 40, 130])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_silu_and_mul_equals_the_float32_activation(kernel, fmt, rows):
