@@ -43,7 +43,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tu
         return _calibration_attention(q, k, v, cache, scale, sliding_window)
     cache.write(k, v, meta.slot_mapping)
     if cache.window is not None:
-        _stage(cache.window, k, v, meta)
+        place_staging(cache.window.staging, meta)
+        cache.window.write(k, v)
     out = torch.empty_like(q)
     n = meta.num_decodes
     if n:
@@ -55,6 +56,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tu
             out[rows] = reference.prefill_attention(q[rows], fresh_k, fresh_v, chunk, scale, sliding_window)
         else:
             out[rows] = _prefill(q[rows], k[rows], v[rows], cache, chunk, scale, sliding_window, prefill_kernel)
+    if cache.window is not None:  # after the reads: a chunk's tail may take the slots of the window they read
+        cache.window.write(k, v, late=True)
     return out
 
 
@@ -64,12 +67,6 @@ def _calibration_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     keys, values = cache.observe(q, k, v)
     chunk = PrefillChunk(0, len(q), keys.shape[1], block_table=None)
     return reference.prefill_attention(q, keys.to(q.dtype), values.to(q.dtype), chunk, scale, sliding_window)
-
-
-def _stage(window: RecentWindow, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Mirror new tokens whose block stays in its sequence's window."""
-    place_staging(window.staging, meta)
-    window.write(k, v)
 
 
 def place_staging(staging: Staging, meta: AttentionMetadata) -> None:
@@ -84,7 +81,7 @@ def place_staging(staging: Staging, meta: AttentionMetadata) -> None:
         first, sinks = staging.first_block(end), staging.sink_blocks
         active += table[:min(sinks, first)].tolist() + table[first:math.ceil(end / staging.block_size)].tolist()
         in_window += [not sinks <= p // staging.block_size < first for p in range(end - length, end)]
-    staging.assign(meta.slot_mapping_cpu, in_window, active)
+    staging.assign(meta.slot_mapping_cpu, in_window, active, defer=bool(meta.prefills))
     meta.step_cache[key] = True
 
 

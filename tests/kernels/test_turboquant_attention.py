@@ -143,7 +143,8 @@ def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, s
     meta = step_metadata([1, 1], lens, tables, slots)
     q, k, v = (torch.randn(2, h, 64, generator=g) for h in (num_heads, kv_heads, kv_heads))
     cache.write(k, v, slots)
-    turboquant._stage(cache.window, k, v, meta)
+    turboquant.place_staging(cache.window.staging, meta)
+    cache.window.write(k, v)
     assert cache.window.exists(tables[0]).any()
     ours = turboquant._decode(q, k, v, cache, meta, 0.125, window, turboquant_decode)
     assert (ours - turboquant._decode(q, k, v, cache, meta, 0.125, window)).abs().max() < TOL

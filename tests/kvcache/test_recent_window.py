@@ -9,6 +9,7 @@ from slipstream import LLM
 from slipstream.attention import turboquant
 from slipstream.kvcache.cache import WHOLE_WINDOW_TOKENS, KVCache
 from slipstream.kvcache.dtype import parse_kv_cache_dtype
+from slipstream.kvcache.recent_window import staging_blocks
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 from tests.conftest import step_metadata
 from tests.engine.test_block_accounting import run_shared_prefix_workload
@@ -84,7 +85,7 @@ def test_a_reused_block_drops_its_stale_staging():
     k = torch.randn(8, KV_HEADS, DIM)
     meta = _step([], [("a", 0, 8)])  # blocks 3, 7; both in a 6-token window of position 7
     turboquant.paged_attention(torch.randn(8, HEADS, DIM), k, k, cache, meta, SCALE)
-    assert cache.window.staging_of[[3, 7]].tolist() != [-1, -1]
+    assert cache.window.staging.host_staging_of[[3, 7]].tolist() != [-1, -1]  # the plan, which reads see next step
     TABLES["c"] = [3, 11, 4]  # block 3 reused at index 0, out of the window of position 11
     try:
         meta = _step([], [("c", 0, 12)])
@@ -92,7 +93,28 @@ def test_a_reused_block_drops_its_stale_staging():
                                    torch.randn(12, KV_HEADS, DIM), cache, meta, SCALE)
     finally:
         del TABLES["c"]
-    assert cache.window.staging_of[3] == -1 and (cache.window.staging_of[[11, 4]] >= 0).all()
+    planned = cache.window.staging.host_staging_of
+    assert planned[3] == -1 and (planned[[11, 4]] >= 0).all()
+
+
+def test_chunks_read_their_whole_window_in_16_bits_from_a_pool_sized_for_decode():
+    """A chunk's tail takes the slots of the window its first queries read: they still read it in 16 bits."""
+    g = torch.Generator().manual_seed(3)
+    cache = _cache(staging_blocks(RECENT, 0, BLOCK, 1))  # 3 blocks: a decode step's window
+    TABLES["d"] = [3, 7, 1, 9, 10]
+    try:
+        exact_k, exact_v = torch.randn(17, KV_HEADS, DIM, generator=g), torch.randn(17, KV_HEADS, DIM, generator=g)
+        for decodes, prefills in [([], [("d", 0, 8)]), ([], [("d", 8, 8)]), ([("d", 16)], [])]:
+            meta = _step(decodes, prefills)
+            positions = [p for _, p in decodes] + [p for _, first, n in prefills for p in range(first, first + n)]
+            q = torch.randn(len(positions), HEADS, DIM, generator=g)
+            out = turboquant.paged_attention(q, exact_k[positions], exact_v[positions], cache, meta, SCALE)
+            for row, pos in enumerate(positions):
+                if pos >= 8:  # every token of (pos - R, pos] exact
+                    want = _expected(q[row], cache, "d", pos, exact_k, exact_v, list(range(pos + 1)))
+                    assert torch.allclose(out[row], want, atol=1e-5), (pos, (out[row] - want).abs().max())
+    finally:
+        del TABLES["d"]
 
 
 def test_staging_comes_out_of_the_memory_budget():
