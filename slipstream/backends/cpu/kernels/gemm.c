@@ -193,7 +193,7 @@ int gelu_tanh_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t token
 // L1, AMD's Zen 4 (gcc 12 names it znver3) for the tile after it into L2: SmolLM2 as stored, one thread, 8.73 ->
 // 7.12 ms a decode step (medians of 3, alternated); at two threads 5.57 -> 5.47 (medians of 9, noise +-10%).
 // ROW_BLOCKS: the 16-column blocks of a 4-bit tile of one row. Zen 4 streams one block's codes (one stream, two
-// chains of sums) faster than four side by side: a 576 x 1536 layer, cold, one thread, 40-50 -> 28-30 us a call.
+// chains of sums) faster than four side by side: a 576 x 1536 layer, cold, one thread, 45-52 -> 36-40 us a call.
 #if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 #define ROW_PREFETCH _MM_HINT_T1
 #define ROW_PREFETCH_TILES 2
