@@ -46,10 +46,11 @@ class Staging:
         # decided on the host (the plan), published to `staging_of` for the reads and kernels: planning never reads
         # the device back, and a step's reads see the plan of the steps before it (see assign)
         self.host_staging_of = torch.full((num_blocks,), -1, dtype=torch.long)
-        self.published = self.host_staging_of.clone()  # the host's copy of what the reads see
-        self.staging_of = self.host_staging_of.to(device, copy=True)
+        self.published = self.host_staging_of.clone()  # what the reads see, on the host
+        self.staging_of = self.published if device.type == "cpu" else self.published.to(device)
         # this step's (token, staged row) pairs, mirrored before each layer's attention and after it
-        self.writes = self.late_writes = (torch.empty(0, dtype=torch.long, device=device),) * 2
+        self.none = (torch.empty(0, dtype=torch.long, device=device),) * 2
+        self.writes = self.late_writes = self.none
         self._block_of = [-1] * num_staging
         self._last_use = [-1] * num_staging
         self._clock = 0
@@ -85,11 +86,13 @@ class Staging:
         for i in (slot_mapping % self.block_size == 0).nonzero().flatten().tolist():
             self._restage(block_ids[i], in_window[i])
         staging = self.host_staging_of[blocks]
-        late = staging != self.published[blocks] if defer else torch.zeros_like(staging, dtype=torch.bool)
+        if not defer:
+            self.writes, self.late_writes = self._pairs(slot_mapping, staging), self.none
+            self._publish()
+            return
+        late = staging != self.published[blocks]
         self.writes = self._pairs(slot_mapping, torch.where(late, -1, staging))
         self.late_writes = self._pairs(slot_mapping, torch.where(late, staging, -1))
-        if not defer:
-            self._publish()
 
     def _pairs(self, slot_mapping: torch.Tensor, staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(token, staged row) of the tokens with a staging block, on the device."""
@@ -103,9 +106,10 @@ class Staging:
         if self._changed:
             changed = torch.tensor(self._changed)
             self.published[changed] = self.host_staging_of[changed]
-            device = self.staging_of.device
-            self.staging_of[changed.to(device, non_blocking=True)] = self.host_staging_of[changed].to(
-                device, non_blocking=True)
+            if self.staging_of is not self.published:
+                device = self.staging_of.device
+                self.staging_of[changed.to(device, non_blocking=True)] = self.host_staging_of[changed].to(
+                    device, non_blocking=True)
             self._changed = []
 
     def _restage(self, block: int, wanted: bool) -> None:
