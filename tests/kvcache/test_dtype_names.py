@@ -67,8 +67,13 @@ def test_the_default_window_takes_at_most_its_share_of_the_budget_and_explicit_k
     assert _cache("tq3-codes", memory).window_memory == 0
     gemma = KVCache([(1, 256)] * 18, parse_kv_cache_dtype("tq3", torch.bfloat16), torch.bfloat16, memory, 16,
                     torch.device("meta"), max_num_seqs=64, sliding_windows=([512] * 5 + [None]) * 3)
-    per_seq = (15 * 33 + 3 * 6) * 16 * 256 * 2 * 2  # sliding layers: 512 tokens span 32 blocks, +1 as it moves
+    # sliding layers: 512 tokens span 32 blocks, +1 as it moves; global layers as many recent tokens, +1 sink block
+    per_seq = (15 * 33 + 3 * 34) * 16 * 256 * 2 * 2
+    assert gemma.layer_windows[:6] == [(512, 0)] * 5 + [(512, 4)]
     assert gemma.window_seqs == memory // DEFAULT_STAGING_SHARE // per_seq and gemma.window_memory == 3 * per_seq
+    explicit_gemma = KVCache([(1, 256)] * 18, parse_kv_cache_dtype("tq3", torch.bfloat16), torch.bfloat16, memory, 16,
+                             torch.device("meta"), recent_tokens=64, sliding_windows=([512] * 5 + [None]) * 3)
+    assert explicit_gemma.layer_windows[5] == (64, 4)  # a recent_tokens given is taken as given
     assert _cache("tq3", memory, recent_tokens=0, sink_tokens=0).window_memory == 0
 
 
