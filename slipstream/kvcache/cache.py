@@ -81,7 +81,8 @@ class KVCache:
     whose window W is at most WHOLE_WINDOW_TOKENS its newest W instead; that staging
     memory is taken from `memory` before the blocks are counted. With both None (the dtype name's
     defaults) the staging takes at most 1/DEFAULT_STAGING_SHARE of `memory`, so a default never costs
-    most of a small budget: `window_seqs` then says how many sequences it serves at once.
+    most of a small budget: `window_seqs` then says how many sequences it serves at once; and the default R is
+    at least such a W (`_local_window`).
     """
 
     def __init__(self, layer_shapes: list[tuple[int, int]], kv_dtype: KVCacheDtype, model_dtype: torch.dtype,

@@ -9,7 +9,8 @@ auto (the model dtype), bfloat16, float32, fp8 (float8_e4m3), and TurboQuant:
   TurboQuant_mse, the measured better choice; values always use TurboQuant_mse;
 - a `-codes` suffix: the codes alone. Without it a TurboQuant name also keeps the newest
   RECENT_TOKENS and the first SINK_TOKENS tokens of each sequence in 16 bits (its measured best
-  configuration); `kv_cache_recent_tokens` / `kv_cache_sink_tokens` override either.
+  configuration; kvcache/cache.py lengthens the recent part to a sliding window that the model's layers keep
+  whole, as Gemma 3's 512); `kv_cache_recent_tokens` / `kv_cache_sink_tokens` override either.
 """
 from __future__ import annotations
 
