@@ -53,6 +53,17 @@ def _decode_step(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, 
     return torch.randn(len(lens), num_heads, dim), cache, meta
 
 
+@pytest.fixture(params=[1, 4])
+def threads(request):
+    """The kernel's threads (torch's): a decode task takes every KV head of its sequence unless the longest
+    sequence is more than a thread's share of the step, so 1 thread runs a task per sequence here and 4 one per
+    KV head."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def _kernel_decode(q, cache, meta, window):
     out = turboquant_decode(q.view(*q.shape[:1], cache.k.shape[2], -1, q.shape[-1]), None, None, cache,
                                     meta.decode_block_tables, meta.decode_context_lens, 0.125, window)
@@ -71,11 +82,24 @@ def _torch_decode(q, cache, meta, window):
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,kv_heads", [(9, 3), (4, 1), (6, 2)])  # GQA (SmolLM2), MQA (Gemma 3), group 3
 @pytest.mark.parametrize("window", [None, 20])
-def test_kernel_equals_torch_code_path_and_dequantize_then_attend(isa, kv_dtype, num_heads, kv_heads, window):
+def test_kernel_equals_torch_code_path_and_dequantize_then_attend(isa, threads, kv_dtype, num_heads, kv_heads, window):
     q, cache, meta = _decode_step(kv_dtype, [1, 17, 100, 16, 250], num_heads, kv_heads)
     ours = _kernel_decode(q, cache, meta, window)
     assert (ours - _torch_decode(q, cache, meta, window)).abs().max() < TOL
     assert (ours - reference.decode(q, cache, meta, 0.125, window)).abs().max() < TOL
+
+
+def test_a_task_per_sequence_or_per_kv_head_gives_the_same_bits(isa):
+    q, cache, meta = _decode_step("tq3", [1, 17, 100, 16, 250], 9, 3)
+    outputs = []
+    before = torch.get_num_threads()
+    try:
+        for count in (1, 4):  # a task per sequence, a task per KV head (the threads fixture's docstring)
+            torch.set_num_threads(count)
+            outputs.append(_kernel_decode(q, cache, meta, None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(*outputs)
 
 
 def test_kernel_on_every_key_value_split(isa):
@@ -123,7 +147,7 @@ def test_kernel_reads_only_each_sequence_blocks(isa):
 @pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 12])
 @pytest.mark.parametrize("block_size,lens", [(4, [37, 9]), (16, [90, 9])])  # 16: whole blocks between the windows
-def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window,
+def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, threads, recent, sinks, dense_dtype, window,
                                                                   block_size, lens):
     """With 16-bit windows the kernel reads staged tokens (and the query's own) in 16 bits, the rest from codes."""
     g = torch.Generator().manual_seed(2)

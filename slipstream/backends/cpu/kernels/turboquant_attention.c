@@ -6,11 +6,11 @@
 // gamma fp16 in the row. Queries are rotated into that code space, so a key's score is a sum over pieces of
 // scale * <q piece, value[codes]>, and the output is a weighted sum of code-space value rows, rotated back.
 //
-// As in paged_attention.c, a sequence with one query row (decode) is one task per KV head: it rotates its G
-// query heads into code space, walks the sequence's own blocks once with an online softmax in float32, and
-// rotates the G sums back. Each code row is decoded once per task, VW codes per step (a byte permute, a variable
-// shift and an in-register table lookup), and shared by the G query heads; nothing is padded or dequantized to
-// the original space. With AVX-512, keys of 2- or 4-bit pieces are scored a block at a time, the block's 16 rows as
+// A sequence with one query row (decode) is one task per KV head, or one for all its KV heads when there are
+// sequences enough to keep the threads busy (heads_per_task): it rotates each head's G query heads into code space,
+// walks the sequence's own blocks once with an online softmax in float32, and rotates the G sums back. Each code
+// row is decoded once per task, VW codes per step (with AVX-512 a broadcast load, a multishift and an in-register
+// table lookup), and shared by the G query heads; nothing is padded or dequantized to the original space. With AVX-512, keys of 2- or 4-bit pieces are scored a block at a time, the block's 16 rows as
 // the lanes (score_block). A sequence with several rows (a prefill chunk over a cached prefix, or
 // tokens to verify) is split into tiles of up to MAX_VECTORS query vectors (rows x heads), each a task that
 // walks the blocks once: a decoded row is scored against every vector of the tile at once (the vectors are the
@@ -47,8 +47,8 @@ const int32_t sizeof_CodeRows = sizeof(CodeRows), sizeof_DenseTokens = sizeof(De
 #define VW 16
 typedef __m512 vec;
 typedef struct {
-    __m512i window, shift;  // per lane: the 4 bytes that hold its code, and the code's bit offset in them
-    __m512 table;           // the 16 values that vpermps indexes by the low 4 bits (repeated for bits < 4)
+    __m512i offset;  // per lane, in its low byte: the bit offset of its code in the 16 codes' 64 bits
+    __m512 table;    // the 16 values that vpermps indexes by the low 4 bits (repeated for bits < 4)
 } Decoder;
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
@@ -57,24 +57,24 @@ static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vsplat(float x) { return _mm512_set1_ps(x); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 static void make_decoder(Decoder *d, int bits, const float *values) {
-    uint8_t window[64];
-    uint32_t shift[16];
+    uint32_t offset[16];
     float table[16];
     for (int i = 0; i < 16; i++) {
-        for (int j = 0; j < 4; j++) window[4 * i + j] = (uint8_t)(i * bits / 8 + j);
-        shift[i] = i * bits % 8;
+        offset[i] = (uint32_t)(i * bits);
         table[i] = values[i % (1 << bits)];
     }
-    d->window = _mm512_loadu_si512(window);
-    d->shift = _mm512_loadu_si512(shift);
+    d->offset = _mm512_loadu_si512(offset);
     d->table = _mm512_loadu_ps(table);
 }
-// The 16-byte load reads past the 2 * bits bytes of the 16 codes, into the rest of the row, the next rows, or
-// the slack that TurboQuantLayerCache allocates after the last row (ROW_SLACK); those bytes are never used.
+// The 16 codes' 64 bits in every 64-bit lane (a broadcast load), and each lane's 8 bits from its code's offset on
+// (vpmultishiftqb): one shuffle less than a byte permute and a shift. The 8-byte load reads past the 2 * bits bytes
+// of the 16 codes, into the rest of the row, the next rows, or the slack that TurboQuantLayerCache allocates after
+// the last row (ROW_SLACK); those bytes are never used.
 static inline vec decode(const Decoder *d, int bits, const uint8_t *src) {
     (void)bits;
-    __m512i bytes = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)src));
-    __m512i code = _mm512_srlv_epi32(_mm512_permutexvar_epi8(d->window, bytes), d->shift);
+    int64_t word;
+    memcpy(&word, src, sizeof word);
+    __m512i code = _mm512_multishift_epi64_epi8(d->offset, _mm512_set1_epi64(word));
     return _mm512_permutexvar_ps(code, d->table);
 }
 #elif defined(__AVX2__)
@@ -208,6 +208,23 @@ static inline void transposed_words(const uint8_t *first, int64_t stride, int co
     }
 }
 
+// The fp16 numbers at first + t * stride of 16 rows, row t in lane t.
+static inline __m512 lane_halves(const uint8_t *first, int64_t stride) {
+    __m512i word[8];  // the fp16 in the low half of word 0
+    transposed_words(first, stride, 1, word);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(word[0]));
+}
+
+// piece_scale of 16 rows, row t at first + t * stride, into scales[piece][t].
+static inline void block_scales(const Layout *l, const uint8_t *first, int64_t stride, float scales[][MAX_BLOCK]) {
+    for (int p = 0; p < l->count; p++) {
+        const Piece *piece = &l->pieces[p];
+        vec s = _mm512_mul_ps(lane_halves(first + piece->norm_at, stride), vsplat(piece->factor));
+        if (piece->gamma_at >= 0) s = _mm512_mul_ps(s, lane_halves(first + piece->gamma_at, stride));
+        vstore(scales[p], s);
+    }
+}
+
 // One piece's codes of 16 rows (row t's words at first + t * stride) against `group` query heads, the rows as
 // the lanes: each 32-bit word of codes is taken from the 16 rows once, and each code in it is shifted to the
 // low 4 bits, which vpermps reads (a 2-bit code's table repeats, as decode's does). Two sums per head, for
@@ -216,16 +233,20 @@ static inline __attribute__((always_inline)) void score_words(const Piece *piece
                                                               int64_t stride, const float *q, int width, int group,
                                                               const int bits, __m512 acc[][2]) {
     int words = piece->count * bits / 32;
+    const float *qg[MAX_GROUP];  // each head's query at the word: constant offsets in the FMAs, no index arithmetic
+    for (int g = 0; g < group; g++) qg[g] = q + (ptrdiff_t)g * width;
     for (int w0 = 0; w0 < words; w0 += 8) {
         __m512i word[8];
-        transposed_words(first + 4 * w0, stride, words - w0 < 8 ? words - w0 : 8, word);
-        for (int w = w0; w < words && w < w0 + 8; w++)
+        int n = words - w0 < 8 ? words - w0 : 8;
+        transposed_words(first + 4 * w0, stride, n, word);
+        for (int w = 0; w < n; w++) {
             for (int c = 0; c < 32 / bits; c++) {
-                __m512i code = _mm512_srli_epi32(word[w - w0], (unsigned)(c * bits));
+                __m512i code = _mm512_srli_epi32(word[w], (unsigned)(c * bits));
                 __m512 v = _mm512_permutexvar_ps(code, piece->decoder.table);
-                for (int g = 0; g < group; g++)
-                    acc[g][c & 1] = vfma(v, vsplat(q[g * width + w * 32 / bits + c]), acc[g][c & 1]);
+                for (int g = 0; g < group; g++) acc[g][c & 1] = vfma(v, vsplat(qg[g][c]), acc[g][c & 1]);
             }
+            for (int g = 0; g < group; g++) qg[g] += 32 / bits;
+        }
     }
 }
 
@@ -245,9 +266,7 @@ static inline __attribute__((always_inline)) void score_block(const Layout *kl, 
             score_words(piece, first_row + piece->offset, stride, q + at, kl->width, group, 4, acc);
         else
             score_words(piece, first_row + piece->offset, stride, q + at, kl->width, group, 2, acc);
-        __m512i norms[8];  // fp16 in the low half of word 0
-        transposed_words(first_row + piece->norm_at, stride, 1, norms);
-        vec s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(norms[0])), vsplat(piece->factor * scale));
+        vec s = _mm512_mul_ps(lane_halves(first_row + piece->norm_at, stride), vsplat(piece->factor * scale));
         for (int g = 0; g < group; g++) total[g] = vfma(_mm512_add_ps(acc[g][0], acc[g][1]), s, total[g]);
     }
     for (int g = 0; g < group; g++) vstore(scores[g], total[g]);
@@ -339,6 +358,60 @@ static inline float max_of(const float *x, int n, float init) {
     return a > b ? a : b;
 }
 
+// One block's online-softmax step, each head's scores s[g][0..count) turned into weights, in place; m, l: the
+// running maximum and sum; correction[g]: what the sums so far are to be multiplied by.
+static inline __attribute__((always_inline)) void softmax_rows(float s[][MAX_BLOCK], int count, int group, float *m,
+                                                               float *l, float *correction) {
+    for (int g = 0; g < group; g++) {
+        float block_max = max_of(s[g], count, m[g]), sum = 0.f;
+        // the running maximum settles early: most blocks need no correction (e^0 is 1 here too)
+        correction[g] = block_max > m[g] ? exp_nonpositive(m[g] - block_max) : 1.f;
+        m[g] = block_max;
+        for (int r = 0; r < count; r++) {
+            s[g][r] = exp_nonpositive(s[g][r] - block_max);
+            sum += s[g][r];
+        }
+        l[g] = l[g] * correction[g] + sum;
+    }
+}
+
+#if VW == 16
+// exp_nonpositive in 16 lanes, the same steps.
+static inline __m512 exp_nonpositive_lanes(__m512 x) {
+    __m512 clamped = _mm512_max_ps(x, vsplat(-87.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, vsplat(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, vsplat(2.12194440e-4f), _mm512_fnmadd_ps(n, vsplat(0.693359375f), clamped));
+    __m512 p = vsplat(1.9875691500e-4f);
+    p = vfma(p, r, vsplat(1.3981999507e-3f));
+    p = vfma(p, r, vsplat(8.3334519073e-3f));
+    p = vfma(p, r, vsplat(4.1665795894e-2f));
+    p = vfma(p, r, vsplat(1.6666665459e-1f));
+    p = vfma(p, r, vsplat(5.0000001201e-1f));
+    p = vfma(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, vsplat(1.f)));
+    __m512i biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23));
+    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, vsplat(-87.f), _CMP_GE_OQ), p, two_n);
+}
+
+// softmax_rows for count <= 16 rows: a head's block is one vector (the scalar loops took a fifth of this kernel's
+// cycles at 16 x 4k, tq3, on a Xeon with AMX).
+static inline __attribute__((always_inline)) void softmax_lanes(float s[][MAX_BLOCK], int count, int group, float *m,
+                                                                float *l, float *correction) {
+    __mmask16 live = (__mmask16)((1u << count) - 1);
+    for (int g = 0; g < group; g++) {
+        __m512 x = _mm512_mask_loadu_ps(vsplat(-INFINITY), live, s[g]);
+        float block_max = _mm512_reduce_max_ps(x);
+        block_max = block_max > m[g] ? block_max : m[g];
+        correction[g] = block_max > m[g] ? exp_nonpositive(m[g] - block_max) : 1.f;
+        m[g] = block_max;
+        __m512 e = exp_nonpositive_lanes(_mm512_sub_ps(x, vsplat(block_max)));
+        vstore(s[g], e);
+        l[g] = l[g] * correction[g] + vsum(e);
+    }
+}
+#endif
+
 // Blocks are wherever the block table puts them, so the hardware prefetchers lose the stream at every block edge
 // and the first rows of a block stalled the decode loop on memory: the rows of the block PREFETCH ahead are asked
 // for while this one is scored.
@@ -354,124 +427,169 @@ static inline void prefetch_block(const uint8_t *k_head, const uint8_t *v_head, 
     }
 }
 
-// One (sequence, KV head h) of a single query row: q [group][k_width] in key code space, q_channels [group][dim] as
-// given, `own` the row of the query's own token in DenseTokens' own_k/own_v.
-// Writes the normalised sums: in value code space to sums [group][v_width], of 16-bit tokens to dense [group][dim].
-static inline __attribute__((always_inline)) void attend_one(const Step *st, int group, int64_t own, int h,
-                                                             const float *q, const float *q_channels,
-                                                             const int64_t *table, int64_t start, int64_t end,
-                                                             float *sums, float *dense) {
+// A block of a decode task: its first token, where its rows are, which of its tokens the query sees, and whether any
+// of them is among the newest `recent` or the first `sinks` (most blocks are not).
+typedef struct {
+    int64_t first, slot0;
+    int lo, hi, near;
+} Block;
+
+// One KV head's running state in a decode task: its G query heads' queries (q [G][k_width] in key code space,
+// q_channels [G][dim] as given), online-softmax maxima and sums, and the unnormalised sums (acc [G][v_width] in value
+// code space, dense [G][dim] of 16-bit tokens).
+typedef struct {
+    int h;
+    const float *q, *q_channels;
+    float *acc, *dense, *m, *l, *mean_score;
+} HeadState;
+
+// One block of one KV head: scores, the online-softmax step and the weighted value sums.
+static inline __attribute__((always_inline)) void attend_block(const Step *st, int group, int64_t own,
+                                                               const int64_t *table, int64_t end, const Block *b,
+                                                               const HeadState *hs) {
     const Layout *kl = &st->keys, *vl = &st->values;
-    int width = vl->width, dim = st->dim, bs = st->block_size;
+    int width = vl->width, dim = st->dim, bs = st->block_size, h = hs->h;
     int64_t k_stride = (int64_t)st->heads * kl->bytes, v_stride = (int64_t)st->heads * vl->bytes;
     const uint8_t *k_head = st->k + (int64_t)h * kl->bytes, *v_head = st->v + (int64_t)h * vl->bytes;
-    float acc[MAX_GROUP * MAX_WIDTH / 2], m[MAX_GROUP], l[MAX_GROUP], mean_score[MAX_GROUP];
     float s[MAX_GROUP][MAX_BLOCK], row[MAX_WIDTH], v_scales[MAX_PIECES][MAX_BLOCK];
     const int blockwise = kl->by_tokens && bs == VW;
     const uint8_t *rows[MAX_BLOCK];
     const void *dense_v[MAX_BLOCK];
     int64_t dense_row[MAX_BLOCK];
-    memset(acc, 0, sizeof(float) * group * width);
-    memset(dense, 0, sizeof(float) * group * dim);
-    for (int g = 0; g < group; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.f;
-        mean_score[g] = 0.f;
-        if (st->staging_of)
-            for (int d = 0; d < dim; d++)
-                mean_score[g] += q_channels[g * dim + d] * st->key_mean[(int64_t)h * dim + d];
-    }
-    for (int64_t first = start - start % bs; first < end; first += bs) {
-        int64_t slot0 = table[first / bs] * bs;
-        int lo = first < start ? (int)(start - first) : 0;
-        int hi = end - first < bs ? (int)(end - first) : bs;
-        int n = 0, nd = 0;  // tokens read from codes (s[][0..n), rows) and in 16 bits (s[][n..n+nd), dense_*)
-        if (first + PREFETCH * bs < end) prefetch_block(k_head, v_head, table[first / bs + PREFETCH] * bs, bs,
-                                                        k_stride, v_stride, kl->bytes, vl->bytes);
-        // whether any token of the block is among the newest `recent` or the first `sinks` (most blocks are not)
-        const int near = st->staging_of && (first < st->sinks || first + bs > end - st->recent);
+    int n = 0, nd = 0;  // tokens read from codes (s[][0..n), rows) and in 16 bits (s[][n..n+nd), dense_*)
 #if VW == 16
-        if (blockwise) score_block(kl, k_head + slot0 * k_stride, k_stride, q, group, st->scale, s);
-#endif
-        for (int t = lo; t < hi; t++) {
-            if (near && read_dense(st, table, first + t, end - 1)) continue;
-            float scores[MAX_GROUP];  // s[g][t] moves to s[g][n], n <= t
-            if (blockwise)
-                for (int g = 0; g < group; g++) scores[g] = s[g][t];
-            else
-                score_row(kl, k_head + (slot0 + t) * k_stride, q, group, st->scale, scores);
-            for (int g = 0; g < group; g++) s[g][n] = scores[g];
-            rows[n] = v_head + (slot0 + t) * v_stride;
-            // the value row's scales read here, where the scoring around them hides the first touch of the row
-            for (int p = 0; p < vl->count; p++) v_scales[p][n] = piece_scale(&vl->pieces[p], rows[n]);
-            n++;
-        }
-        for (int t = lo; near && t < hi; t++) {
-            int64_t pos = first + t;
-            if (!read_dense(st, table, pos, end - 1)) continue;
-            const void *k_base = st->own_k;
-            int64_t index = own * st->heads + h;
-            dense_v[nd] = st->own_v;
-            if (pos != end - 1) {
-                index = (st->staging_of[table[pos / bs]] * bs + t) * st->heads + h;
-                k_base = st->staged_k;
-                dense_v[nd] = st->staged_v;
-            }
-            load_row(k_base, index, dim, st->bf16, row);
-            for (int g = 0; g < group; g++) {
-                float dot = 0.f;
-                for (int d = 0; d < dim; d++) dot += q_channels[g * dim + d] * row[d];
-                s[g][n + nd] = (dot - mean_score[g]) * st->scale;
-            }
-            dense_row[nd++] = index;
-        }
-        if (!n && !nd) continue;
-        for (int g = 0; g < group; g++) {
-            float block_max = max_of(s[g], n + nd, m[g]), sum = 0.f;
-            // the running maximum settles early: most blocks need no correction (e^0 is 1 here too)
-            float correction = block_max > m[g] ? exp_nonpositive(m[g] - block_max) : 1.f;
-            m[g] = block_max;
-            for (int r = 0; r < n + nd; r++) {
-                s[g][r] = exp_nonpositive(s[g][r] - block_max);
-                sum += s[g][r];
-            }
-            l[g] = l[g] * correction + sum;
-            if (correction != 1.f) {
-                for (int d = 0; d < width; d++) acc[g * width + d] *= correction;
-                for (int d = 0; d < dim; d++) dense[g * dim + d] *= correction;
-            }
-        }
-        accumulate_rows(vl, rows, n, s, v_scales, group, acc);
-        for (int r = 0; r < nd; r++) {
-            load_row(dense_v[r], dense_row[r], dim, st->bf16, row);
-            for (int g = 0; g < group; g++)
-                for (int d = 0; d < dim; d++) dense[g * dim + d] += s[g][n + r] * row[d];
-        }
+    if (blockwise) score_block(kl, k_head + b->slot0 * k_stride, k_stride, hs->q, group, st->scale, s);
+    if (blockwise && !b->near && b->lo == 0 && b->hi == bs) {  // most blocks: every token from codes, in order
+        for (int t = 0; t < bs; t++) rows[t] = v_head + (b->slot0 + t) * v_stride;
+        block_scales(vl, rows[0], v_stride, v_scales);
+        n = bs;
     }
-    for (int g = 0; g < group; g++) {
-        float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int d = 0; d < width; d++) sums[g * width + d] = acc[g * width + d] * inv;
-        for (int d = 0; d < dim; d++) dense[g * dim + d] *= inv;
+    else
+#endif
+    for (int t = b->lo; t < b->hi; t++) {
+        if (b->near && read_dense(st, table, b->first + t, end - 1)) continue;
+        float scores[MAX_GROUP];  // s[g][t] moves to s[g][n], n <= t
+        if (blockwise)
+            for (int g = 0; g < group; g++) scores[g] = s[g][t];
+        else
+            score_row(kl, k_head + (b->slot0 + t) * k_stride, hs->q, group, st->scale, scores);
+        for (int g = 0; g < group; g++) s[g][n] = scores[g];
+        rows[n] = v_head + (b->slot0 + t) * v_stride;
+        // the value row's scales read here, where the scoring around them hides the first touch of the row
+        for (int p = 0; p < vl->count; p++) v_scales[p][n] = piece_scale(&vl->pieces[p], rows[n]);
+        n++;
+    }
+    for (int t = b->lo; b->near && t < b->hi; t++) {
+        int64_t pos = b->first + t;
+        if (!read_dense(st, table, pos, end - 1)) continue;
+        const void *k_base = st->own_k;
+        int64_t index = own * st->heads + h;
+        dense_v[nd] = st->own_v;
+        if (pos != end - 1) {
+            index = (st->staging_of[table[pos / bs]] * bs + t) * st->heads + h;
+            k_base = st->staged_k;
+            dense_v[nd] = st->staged_v;
+        }
+        load_row(k_base, index, dim, st->bf16, row);
+        for (int g = 0; g < group; g++) {
+            float dot = 0.f;
+            for (int d = 0; d < dim; d++) dot += hs->q_channels[g * dim + d] * row[d];
+            s[g][n + nd] = (dot - hs->mean_score[g]) * st->scale;
+        }
+        dense_row[nd++] = index;
+    }
+    if (!n && !nd) return;
+    float correction[MAX_GROUP];
+#if VW == 16
+    if (n + nd <= VW)
+        softmax_lanes(s, n + nd, group, hs->m, hs->l, correction);
+    else
+#endif
+        softmax_rows(s, n + nd, group, hs->m, hs->l, correction);
+    for (int g = 0; g < group; g++)
+        if (correction[g] != 1.f) {
+            for (int d = 0; d < width; d++) hs->acc[g * width + d] *= correction[g];
+            for (int d = 0; d < dim; d++) hs->dense[g * dim + d] *= correction[g];
+        }
+    accumulate_rows(vl, rows, n, s, v_scales, group, hs->acc);
+    for (int r = 0; r < nd; r++) {
+        load_row(dense_v[r], dense_row[r], dim, st->bf16, row);
+        for (int g = 0; g < group; g++)
+            for (int d = 0; d < dim; d++) hs->dense[g * dim + d] += s[g][n + r] * row[d];
     }
 }
 
-typedef void AttendFn(const Step *, int64_t, int, const float *, const float *, const int64_t *, int64_t, int64_t,
-                      float *, float *);
+// The cache lines of a whole block, every KV head's rows: what a task over several heads reads next.
+static inline void prefetch_lines(const uint8_t *k, int64_t k_bytes, const uint8_t *v, int64_t v_bytes) {
+    for (int64_t i = 0; i < k_bytes; i += 64) __builtin_prefetch(k + i);
+    for (int64_t i = 0; i < v_bytes; i += 64) __builtin_prefetch(v + i);
+}
+
+// KV heads [h0, h0 + heads) of one sequence's single query row, walking its blocks once: each block's rows of
+// every head are read while in cache (one task per head read each block's lines once per head). `own` is the row
+// of the query's own token in DenseTokens' own_k/own_v. Per head, q [group][k_width] in key code space and
+// q_channels [group][dim] as given, in head order; writes the normalised sums, in value code space to sums
+// [heads][group][v_width] and of 16-bit tokens to dense [heads][group][dim].
+static inline __attribute__((always_inline)) void attend_one(const Step *st, int group, int64_t own, int h0,
+                                                             int heads, const float *q, const float *q_channels,
+                                                             const int64_t *table, int64_t start, int64_t end,
+                                                             float *sums, float *dense) {
+    const Layout *kl = &st->keys, *vl = &st->values;
+    int width = vl->width, dim = st->dim, bs = st->block_size, vectors = heads * group;
+    int64_t k_stride = (int64_t)st->heads * kl->bytes, v_stride = (int64_t)st->heads * vl->bytes;
+    float acc[MAX_GROUP * MAX_WIDTH / 2], m[MAX_GROUP], l[MAX_GROUP], mean_score[MAX_GROUP];
+    HeadState hs[MAX_GROUP];
+    memset(acc, 0, sizeof(float) * vectors * width);
+    memset(dense, 0, sizeof(float) * vectors * dim);
+    for (int i = 0; i < heads; i++)
+        hs[i] = (HeadState){h0 + i, q + i * group * kl->width, q_channels + i * group * dim, acc + i * group * width,
+                            dense + i * group * dim, m + i * group, l + i * group, mean_score + i * group};
+    for (int v = 0; v < vectors; v++) {
+        m[v] = -INFINITY;
+        l[v] = 0.f;
+        mean_score[v] = 0.f;
+        if (st->staging_of)
+            for (int d = 0; d < dim; d++)
+                mean_score[v] += q_channels[v * dim + d] * st->key_mean[(int64_t)(h0 + v / group) * dim + d];
+    }
+    for (int64_t first = start - start % bs; first < end; first += bs) {
+        Block b = {first, table[first / bs] * bs, first < start ? (int)(start - first) : 0,
+                   end - first < bs ? (int)(end - first) : bs,
+                   st->staging_of && (first < st->sinks || first + bs > end - st->recent)};
+        if (first + PREFETCH * bs < end) {
+            int64_t ahead = table[first / bs + PREFETCH] * bs;
+            if (heads == 1)
+                prefetch_block(st->k + (int64_t)h0 * kl->bytes, st->v + (int64_t)h0 * vl->bytes, ahead, bs, k_stride,
+                               v_stride, kl->bytes, vl->bytes);
+            else
+                prefetch_lines(st->k + ahead * k_stride, bs * k_stride, st->v + ahead * v_stride, bs * v_stride);
+        }
+        for (int i = 0; i < heads; i++) attend_block(st, group, own, table, end, &b, &hs[i]);
+    }
+    for (int v = 0; v < vectors; v++) {
+        float inv = l[v] > 0.f ? 1.f / l[v] : 0.f;
+        for (int d = 0; d < width; d++) sums[v * width + d] = acc[v * width + d] * inv;
+        for (int d = 0; d < dim; d++) dense[v * dim + d] *= inv;
+    }
+}
+
+typedef void AttendFn(const Step *, int64_t, int, int, const float *, const float *, const int64_t *, int64_t,
+                      int64_t, float *, float *);
 
 // One copy per common group size (GQA 3 of SmolLM2, MQA 4 of Gemma 3, ...) with `group` a constant; one generic.
 #define ATTEND_FOR(G)                                                                                             \
-    static void attend_##G(const Step *st, int64_t own, int h, const float *q, const float *q_channels,            \
+    static void attend_##G(const Step *st, int64_t own, int h0, int heads, const float *q, const float *q_channels, \
                            const int64_t *table, int64_t start, int64_t end, float *sums, float *dense) {         \
-        attend_one(st, G, own, h, q, q_channels, table, start, end, sums, dense);                                 \
+        attend_one(st, G, own, h0, heads, q, q_channels, table, start, end, sums, dense);                         \
     }
 ATTEND_FOR(1)
 ATTEND_FOR(2)
 ATTEND_FOR(3)
 ATTEND_FOR(4)
 
-static void attend_group(const Step *st, int64_t own, int h, const float *q, const float *q_channels,
+static void attend_group(const Step *st, int64_t own, int h0, int heads, const float *q, const float *q_channels,
                          const int64_t *table, int64_t start, int64_t end, float *sums, float *dense) {
-    attend_one(st, st->group, own, h, q, q_channels, table, start, end, sums, dense);
+    attend_one(st, st->group, own, h0, heads, q, q_channels, table, start, end, sums, dense);
 }
 
 // A tile's query vectors (rows x group heads, row-major) against KV head h: each vector's position and first
@@ -725,23 +843,25 @@ typedef struct {
     int64_t end, rows, row0;
 } Sequence;
 
-// Rows [first, first + count) of a sequence against KV head h: one query row on the per-group path, several as a
-// tile. q, out: [rows, kv_heads, group, dim].
+// Rows [first, first + count) of a sequence against KV heads [h0, h0 + heads): one query row on the per-group path
+// (any number of heads), several as a tile (one head). q, out: [rows, kv_heads, group, dim].
 static void attend_rows(const TurboQuantAttention *a, const Step *st, AttendFn *attend, const Sequence *seq,
-                        int64_t first, int count, int h, const float *q, float *out) {
+                        int64_t first, int count, int h0, int heads, const float *q, float *out) {
     int group = a->group, dim = a->dim, k_width = a->keys.width, v_width = a->values.width;
     float rotated[MAX_VECTORS * MAX_WIDTH], channels[MAX_VECTORS * MAX_WIDTH / 2];
     float sums[MAX_VECTORS * MAX_WIDTH / 2], dense[MAX_VECTORS * MAX_WIDTH / 2];
-    for (int r = 0; r < count; r++) {
-        const float *row = q + ((seq->row0 + first + r) * a->kv_heads + h) * group * dim;
-        matmul(row, a->to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated + r * group * k_width);
-        memcpy(channels + r * group * dim, row, sizeof(float) * group * dim);
-    }
+    for (int r = 0; r < count; r++)
+        for (int i = 0, h = h0; i < heads; i++, h++) {
+            const float *row = q + ((seq->row0 + first + r) * a->kv_heads + h) * group * dim;
+            int at = (r * heads + i) * group;
+            matmul(row, a->to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated + at * k_width);
+            memcpy(channels + at * dim, row, sizeof(float) * group * dim);
+        }
     if (seq->rows == 1) {
         int64_t start = a->window > 0 && seq->end > a->window ? seq->end - a->window : 0;
-        attend(st, seq->row0, h, rotated, channels, seq->table, start, seq->end, sums, dense);
+        attend(st, seq->row0, h0, heads, rotated, channels, seq->table, start, seq->end, sums, dense);
     } else {
-        Tile tile = {.h = h, .table = seq->table, .own_from = seq->end - seq->rows, .own_row = seq->row0};
+        Tile tile = {.h = h0, .table = seq->table, .own_from = seq->end - seq->rows, .own_row = seq->row0};
         int n = count * group;  // padding vectors: zero queries
         memset(rotated + n * k_width, 0, sizeof(float) * (MAX_VECTORS - n) * k_width);
         memset(channels + n * dim, 0, sizeof(float) * (MAX_VECTORS - n) * dim);
@@ -752,11 +872,25 @@ static void attend_rows(const TurboQuantAttention *a, const Step *st, AttendFn *
         }
         attend_tile(st, &tile, rotated, channels, sums, dense);
     }
-    for (int r = 0; r < count; r++) {
-        float *row = out + ((seq->row0 + first + r) * a->kv_heads + h) * group * dim;
-        matmul(sums + r * group * v_width, a->back + (int64_t)h * v_width * dim, group, v_width, dim, row);
-        for (int i = 0; i < group * dim; i++) row[i] += dense[r * group * dim + i];
+    for (int r = 0; r < count; r++)
+        for (int i = 0, h = h0; i < heads; i++, h++) {
+            float *row = out + ((seq->row0 + first + r) * a->kv_heads + h) * group * dim;
+            int at = (r * heads + i) * group;
+            matmul(sums + at * v_width, a->back + (int64_t)h * v_width * dim, group, v_width, dim, row);
+            for (int j = 0; j < group * dim; j++) row[j] += dense[at * dim + j];
+        }
+}
+
+// KV heads per decode task: all of a sequence's, so that each block's cache lines are read once and not once per
+// head (SmolLM2, tq3, 16 x 4k, two threads, the kernel alone: 1.64 -> 1.47 ms a layer), unless the longest
+// sequence's task would then be more than a thread's share of the step and leave a thread idle.
+static int heads_per_task(const DecodeBatch *batch, int kv_heads, int group) {
+    int64_t longest = 0, total = 0;
+    for (int64_t b = 0; b < batch->batch; b++) {
+        longest = batch->context_lens[b] > longest ? batch->context_lens[b] : longest;
+        total += batch->context_lens[b];
     }
+    return kv_heads * group <= MAX_GROUP && longest * batch->threads <= total ? kv_heads : 1;
 }
 
 // The layer's row layouts, or -1 where a shape or layout is beyond this kernel.
@@ -801,14 +935,15 @@ int turboquant_paged_attention(const TurboQuantAttention *a, const DecodeBatch *
     for (int64_t b = 0, i = 0; b < batch->batch; b++)
         for (int64_t first = 0; first < (starts ? starts[b + 1] - starts[b] : 1); first += per_tile, i++)
             task[i][0] = b, task[i][1] = first;
+    int heads = starts ? 1 : heads_per_task(batch, kv_heads, group);
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(batch->threads)
     for (int64_t i = 0; i < tiles; i++) {
-        for (int h = 0; h < kv_heads; h++) {
+        for (int h = 0; h < kv_heads; h += heads) {
             int64_t b = task[i][0], rows = starts ? starts[b + 1] - starts[b] : 1;
             Sequence seq = {batch->block_tables + b * batch->max_blocks, batch->context_lens[b], rows,
                             starts ? starts[b] : b};
             int count = rows - task[i][1] < per_tile ? (int)(rows - task[i][1]) : per_tile;
-            attend_rows(a, &st, attend, &seq, task[i][1], count, h, q, out);
+            attend_rows(a, &st, attend, &seq, task[i][1], count, h, heads, q, out);
         }
     }
     free(task);
