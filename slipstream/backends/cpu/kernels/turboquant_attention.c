@@ -28,6 +28,7 @@
 #include "bf16.h"
 #include "decode_batch.h"
 #include "turboquant.h"
+#include "vector_math.h"
 
 #define MAX_GROUP 16
 #define MAX_WIDTH 512  // code-space width: head_dim, or 2 * head_dim for QJL keys
@@ -377,24 +378,6 @@ static inline __attribute__((always_inline)) void softmax_rows(float s[][MAX_BLO
 }
 
 #if VW == 16
-// exp_nonpositive in 16 lanes, the same steps.
-static inline __m512 exp_nonpositive_lanes(__m512 x) {
-    __m512 clamped = _mm512_max_ps(x, vsplat(-87.f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, vsplat(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, vsplat(2.12194440e-4f), _mm512_fnmadd_ps(n, vsplat(0.693359375f), clamped));
-    __m512 p = vsplat(1.9875691500e-4f);
-    p = vfma(p, r, vsplat(1.3981999507e-3f));
-    p = vfma(p, r, vsplat(8.3334519073e-3f));
-    p = vfma(p, r, vsplat(4.1665795894e-2f));
-    p = vfma(p, r, vsplat(1.6666665459e-1f));
-    p = vfma(p, r, vsplat(5.0000001201e-1f));
-    p = vfma(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, vsplat(1.f)));
-    __m512i biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-    __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23));
-    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, vsplat(-87.f), _CMP_GE_OQ), p, two_n);
-}
-
 // softmax_rows for count <= 16 rows: a head's block is one vector (the scalar loops took a fifth of this kernel's
 // cycles at 16 x 4k, tq3, on a Xeon with AMX).
 static inline __attribute__((always_inline)) void softmax_lanes(float s[][MAX_BLOCK], int count, int group, float *m,
@@ -406,9 +389,9 @@ static inline __attribute__((always_inline)) void softmax_lanes(float s[][MAX_BL
         block_max = block_max > m[g] ? block_max : m[g];
         correction[g] = block_max > m[g] ? exp_nonpositive(m[g] - block_max) : 1.f;
         m[g] = block_max;
-        __m512 e = exp_nonpositive_lanes(_mm512_sub_ps(x, vsplat(block_max)));
+        __m512 e = exp512(_mm512_sub_ps(x, vsplat(block_max)));  // lanes past `count`: e^-103, never read
         vstore(s[g], e);
-        l[g] = l[g] * correction[g] + vsum(e);
+        l[g] = l[g] * correction[g] + _mm512_mask_reduce_add_ps(live, e);
     }
 }
 #endif
