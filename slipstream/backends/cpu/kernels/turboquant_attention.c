@@ -10,13 +10,14 @@
 // sequences enough to keep the threads busy (heads_per_task): it rotates each head's G query heads into code space,
 // walks the sequence's own blocks once with an online softmax in float32, and rotates the G sums back. Each code
 // row is decoded once per task, VW codes per step (with AVX-512 a broadcast load, a multishift and an in-register
-// table lookup), and shared by the G query heads; nothing is padded or dequantized to the original space. With AVX-512, keys of 2- or 4-bit pieces are scored a block at a time, the block's 16 rows as
-// the lanes (score_block). A sequence with several rows (a prefill chunk over a cached prefix, or
-// tokens to verify) is split into tiles of up to MAX_VECTORS query vectors (rows x heads), each a task that
-// walks the blocks once: a decoded row is scored against every vector of the tile at once (the vectors are the
-// SIMD lanes: a small matrix product per token, no horizontal sums), each query row causal over the chunk's own
-// tokens (written to the cache before attention) and within its own sliding window. With the recent/sink window,
-// the tokens read in 16 bits join the same softmax (attention/turboquant.py decides which, per query).
+// table lookup), and shared by the G query heads; nothing is padded or dequantized to the original space. With
+// AVX-512, keys of 2- or 4-bit pieces are scored a block at a time, the block's 16 rows as the lanes (score_block).
+// A sequence with several rows (a prefill chunk over a cached prefix, or tokens to verify) is split into tiles of up
+// to MAX_VECTORS query vectors (rows x heads), each a task that walks the blocks once: a decoded row is scored
+// against every vector of the tile at once (the vectors are the SIMD lanes: a small matrix product per token, no
+// horizontal sums), each query row causal over the chunk's own tokens (written to the cache before attention) and
+// within its own sliding window. With the recent/sink window, the tokens read in 16 bits join the same softmax
+// (attention/turboquant.py decides which, per query).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
