@@ -7,6 +7,7 @@ up to one fp16 ulp in a stored norm.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -53,15 +54,23 @@ def _decode_step(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, 
     return torch.randn(len(lens), num_heads, dim), cache, meta
 
 
+@contextlib.contextmanager
+def _kernel_threads(count: int):
+    """The kernel's threads (torch's): a decode task takes every KV head of its sequence unless the longest
+    sequence is more than a thread's share of the step, so 1 thread runs a task per sequence in these tests and
+    4 one per KV head."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield count
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(params=[1, 4])
 def threads(request):
-    """The kernel's threads (torch's): a decode task takes every KV head of its sequence unless the longest
-    sequence is more than a thread's share of the step, so 1 thread runs a task per sequence here and 4 one per
-    KV head."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with _kernel_threads(request.param) as count:
+        yield count
 
 
 def _kernel_decode(q, cache, meta, window):
@@ -92,13 +101,9 @@ def test_kernel_equals_torch_code_path_and_dequantize_then_attend(isa, threads, 
 def test_a_task_per_sequence_or_per_kv_head_gives_the_same_bits(isa):
     q, cache, meta = _decode_step("tq3", [1, 17, 100, 16, 250], 9, 3)
     outputs = []
-    before = torch.get_num_threads()
-    try:
-        for count in (1, 4):  # a task per sequence, a task per KV head (the threads fixture's docstring)
-            torch.set_num_threads(count)
+    for count in (1, 4):  # a task per sequence, a task per KV head
+        with _kernel_threads(count):
             outputs.append(_kernel_decode(q, cache, meta, None))
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(*outputs)
 
 
