@@ -246,10 +246,10 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: 
     scores = cache.key_quantizer.scores(q * cache.key_scale[:, None, :], keys) * scale  # <q*sigma, (k-mu)/sigma>
     scores = scores.masked_fill(~visible, float("-inf"))
     if dense is None:
-        return cache.value_quantizer.weighted_sum(scores.softmax(-1), values)
+        return cache.value_quantizer.weighted_sum(scores.softmax(-1), values) * cache.value_scale[:, None, :]
     dense_k, dense_v, dense_mask = dense
     dense_scores = (q @ (dense_k.float() - cache.key_mean[:, None, :]).transpose(-1, -2)) * scale
     probs = torch.cat([scores, dense_scores.masked_fill(~dense_mask, float("-inf"))], -1).softmax(-1)
     length = scores.shape[-1]
-    return (cache.value_quantizer.weighted_sum(probs[..., :length], values)
+    return (cache.value_quantizer.weighted_sum(probs[..., :length], values) * cache.value_scale[:, None, :]
             + probs[..., length:] @ dense_v.float())

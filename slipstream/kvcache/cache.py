@@ -89,9 +89,11 @@ class KVCache:
                  memory: int, block_size: int, device: torch.device, dense_layers: int = 0,
                  recent_tokens: int | None = None, max_num_seqs: int = 1, sink_tokens: int | None = None,
                  key_turns: list[torch.Tensor | None] | None = None,
-                 sliding_windows: list[int | None] | None = None):
+                 sliding_windows: list[int | None] | None = None,
+                 value_weights: list[torch.Tensor | None] | None = None):
         """key_turns: per layer, the radians each rotary channel pair of its keys turns over the positions
-        served (TurboQuantLayerCache's calibration), or None; sliding_windows: per layer, its window or None."""
+        served (TurboQuantLayerCache's calibration), or None; sliding_windows: per layer, its window or None;
+        value_weights: per layer, its value channels' output-projection energy [Hk, D] (the same), or None."""
         n = len(layer_shapes)
         self.turboquant = [kv_dtype.is_turboquant and dense_layers <= i < n - dense_layers for i in range(n)]
         self.kv_dtype = kv_dtype
@@ -109,8 +111,9 @@ class KVCache:
                              f"kv_cache_sink_tokens={self.sink_tokens})")
         self.stagings = {window: Staging(*window, self.num_blocks, self._span(window) * self.window_seqs, block_size,
                                          device) for window in set(filter(None, self.layer_windows))}
-        turns = key_turns or [None] * n
-        self.layers = [self._layer(i, heads, dim, device, turns[i]) for i, (heads, dim) in enumerate(layer_shapes)]
+        turns, weights = key_turns or [None] * n, value_weights or [None] * n
+        self.layers = [self._layer(i, heads, dim, device, turns[i], weights[i])
+                       for i, (heads, dim) in enumerate(layer_shapes)]
 
     def _size_window(self, recent_tokens: int | None, sink_tokens: int | None, max_num_seqs: int, default_share: int,
                      layer_shapes: list[tuple[int, int]], sliding_windows: list[int | None]) -> None:
@@ -171,12 +174,14 @@ class KVCache:
                 total += 2 * heads * dim * (kv_dtype.dense or model_dtype).itemsize
         return total
 
-    def _layer(self, index: int, heads: int, dim: int, device: torch.device, key_turns: torch.Tensor | None):
+    def _layer(self, index: int, heads: int, dim: int, device: torch.device, key_turns: torch.Tensor | None,
+               value_weights: torch.Tensor | None):
         if self.turboquant[index]:
             return TurboQuantLayerCache(self.num_blocks, self.block_size, heads, dim, self.kv_dtype.key_bits,
                                         self.kv_dtype.key_mode, seed=index, device=device,
                                         dense_dtype=self.window_dtype, value_bits=self.kv_dtype.value_bits,
-                                        key_turns=key_turns, staging=self.stagings.get(self.layer_windows[index]))
+                                        key_turns=key_turns, staging=self.stagings.get(self.layer_windows[index]),
+                                        value_weights=value_weights)
         return LayerKVCache(self.num_blocks, self.block_size, heads, dim, self.dense_dtype, device)
 
     def describe(self) -> str:

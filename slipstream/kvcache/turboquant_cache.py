@@ -22,7 +22,13 @@ larger than k itself and every code's error with it (tq4 at 8k tokens: +1.8% per
 with the rule below). So, given `key_turns` (radians each pair turns over the positions served),
 mu is kept only on pairs that turn less than STEADY_TURN, and sigma and the query power are
 tied within each pair, so neither depends on the phase the calibration happened to see.
-Both are measured once, with the outlier channels of 2.5/3.5 bits, then never change, so
+Values are stored as v / s, s = (E[v_j^2] / w_j)^(1/4) per KV head and channel, where w_j (`value_weights`) is
+the energy of channel j's column of the output projection over the query heads that read it: the same balance for
+the error that the projection, not a query, meets (attention's sum is linear, so s comes back in `decode_maps`;
+the 16-bit window is read unscaled). SmolLM2's columns differ 10x in energy. tq3 at 8k (kv_defaults.py,
+prose / code / dialogue KL): 0.0171 / 0.0191 / 0.0172 unscaled, 0.0168 / 0.0188 / 0.0156 with w = 1,
+0.0163 / 0.0188 / 0.0155 weighted.
+All of these are measured once, with the outlier channels of 2.5/3.5 bits, then never change, so
 every stored block, and the prefix cache, stays valid; no per-token scale is stored. The
 engine runs a calibration prompt first: until `finish_calibration`, attention `observe`s its
 q/k/v and attends to them exactly, and nothing is written to the blocks.
@@ -52,12 +58,14 @@ class TurboQuantLayerCache:
                  bits: float, key_mode: str, seed: int, device: torch.device, recent_tokens: int = 0,
                  num_staging: int = 0, dense_dtype: torch.dtype = torch.bfloat16, sink_tokens: int = 0,
                  value_bits: float | None = None, key_turns: torch.Tensor | None = None,
-                 staging: Staging | None = None):
+                 staging: Staging | None = None, value_weights: torch.Tensor | None = None):
         """bits: the keys' (and, with value_bits None, the values') bits per coordinate; key_turns: radians
         each rotary pair of the keys turns over the positions served (None: keys do not turn); staging: the
-        16-bit window's placement shared with the model's other layers (None: one of its own)."""
+        16-bit window's placement shared with the model's other layers (None: one of its own); value_weights:
+        [Hk, D], how much each value channel counts after the output projection (None: all alike)."""
         self.block_size = block_size
         self.key_turns = key_turns
+        self.value_weights = value_weights
         if staging is None and (recent_tokens or sink_tokens):
             staging = Staging(recent_tokens, sink_tokens, num_blocks, num_staging, block_size, device)
         self.window = None if staging is None else RecentWindow(staging, num_kv_heads, head_dim, dense_dtype, device)
@@ -67,6 +75,7 @@ class TurboQuantLayerCache:
         self.v = _rows((num_blocks, block_size, num_kv_heads, self.value_quantizer.nbytes), device)
         self.key_mean = torch.zeros(num_kv_heads, head_dim, device=device)
         self.key_scale = torch.ones(num_kv_heads, head_dim, device=device)
+        self.value_scale = torch.ones(num_kv_heads, head_dim, device=device)
         self.calibrated = False
         self.encoder = None  # encoder(rows, quantizer, x, slots, mean=None, scale=None), bound by a backend
         self._seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -100,13 +109,14 @@ class TurboQuantLayerCache:
         self.key_mean = k.mean(0)
         if self.key_turns is not None:
             self.key_mean = self.key_mean * _pairs(self.key_turns.to(k.device) < STEADY_TURN)
-        key_power = _floored((k - self.key_mean).square().mean(0))
+        key_power = (k - self.key_mean).square().mean(0)
         if self.key_turns is not None:
             key_power, query_power = _pair_mean(key_power), _pair_mean(query_power)
-        scale = (key_power / _floored(query_power)) ** 0.25
-        self.key_scale = scale / scale.log().mean(-1, keepdim=True).exp()  # geometric mean 1
+        self.key_scale = _balanced(key_power, query_power)
         self.key_quantizer.calibrate(self.scaled_keys(k))
-        self.value_quantizer.calibrate(v)
+        weights = torch.ones_like(v[0]) if self.value_weights is None else self.value_weights.to(v.device)
+        self.value_scale = _balanced(v.square().mean(0), weights)
+        self.value_quantizer.calibrate(self.scaled_values(v))
         self.calibrated = True
 
     @functools.cached_property
@@ -118,7 +128,7 @@ class TurboQuantLayerCache:
         heads, dim = self.key_scale.shape
         eye = torch.eye(dim, device=self.key_scale.device).expand(heads, dim, dim)
         return (self.key_quantizer.rotate_queries(eye * self.key_scale[:, None, :]).contiguous(),
-                self.value_quantizer.restore(eye).contiguous())
+                (self.value_quantizer.restore(eye) * self.value_scale[:, None, :]).contiguous())
 
     @functools.cached_property
     def embed_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,17 +151,21 @@ class TurboQuantLayerCache:
         """What is quantized: (k - mu) / sigma, for k [..., Hk, D]."""
         return (k.float() - self.key_mean) / self.key_scale
 
+    def scaled_values(self, v: torch.Tensor) -> torch.Tensor:
+        """What is quantized: v / s, for v [..., Hk, D]."""
+        return v.float() / self.value_scale
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if not self.calibrated:
             raise RuntimeError("TurboQuantLayerCache.calibrate must run before the first write")
         if self.encoder is not None:  # a backend's encoder (backends/cuda: Triton), tested against quantize
             self.encoder(self.k, self.key_quantizer, k, slot_mapping, self.key_mean, self.key_scale)
-            self.encoder(self.v, self.value_quantizer, v, slot_mapping)
+            self.encoder(self.v, self.value_quantizer, v, slot_mapping, None, self.value_scale)
             return
         if not (_native_write(self.k, self.key_quantizer, k, slot_mapping, self.key_mean, self.key_scale)
-                and _native_write(self.v, self.value_quantizer, v, slot_mapping)):
+                and _native_write(self.v, self.value_quantizer, v, slot_mapping, None, self.value_scale)):
             self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self.key_quantizer.quantize(self.scaled_keys(k))
-            self.v.view(-1, *self.v.shape[2:])[slot_mapping] = self.value_quantizer.quantize(v)
+            self.v.view(-1, *self.v.shape[2:])[slot_mapping] = self.value_quantizer.quantize(self.scaled_values(v))
 
     def gather_codes(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes through block tables [..., n_blocks] -> [..., n_blocks * block_size, H, nbytes]."""
@@ -175,7 +189,7 @@ class TurboQuantLayerCache:
 
     def _dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
         keys = self.key_quantizer.dequantize(k) * self.key_scale + self.key_mean
-        return keys.to(dtype), self.value_quantizer.dequantize(v).to(dtype)
+        return keys.to(dtype), (self.value_quantizer.dequantize(v) * self.value_scale).to(dtype)
 
 
 def _rows(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -245,6 +259,13 @@ def _pair_mean(x: torch.Tensor) -> torch.Tensor:
 def _query_power(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Mean q_j^2 per KV head and channel, over tokens and the query heads that share the KV head."""
     return q.unflatten(1, (num_kv_heads, -1)).square().mean((0, 2))
+
+
+def _balanced(power: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(power / weight)^(1/4) per head and channel, geometric mean 1: the scale s that minimises
+    E|weighted error| * E|x / s|^2 (module docstring)."""
+    scale = (_floored(power) / _floored(weight)) ** 0.25
+    return scale / scale.log().mean(-1, keepdim=True).exp()
 
 
 def _floored(power: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from slipstream.layers.attention import Attention
 from slipstream.layers.embedding import ParallelLMHead
+from slipstream.layers.linear import Linear
 from slipstream.layers.moe import reset_routing_stats, routing_stats
 from slipstream.models.config import ModelConfig
 from slipstream.models.weights import load_stacked_weights
@@ -62,3 +63,25 @@ class CausalLM(nn.Module):
         """The attention layers that own a KV cache, in layer order (Gemma 4's KV-sharing
         layers own none: they attend through an earlier layer's)."""
         return [m for m in self.modules() if isinstance(m, Attention)]
+
+    @torch.no_grad()
+    def value_weights(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor | None]:
+        """Per attention layer (as `attention_layers`), [KV heads, head dim]: the energy of each value channel's
+        column of the output projection beside it (`o_proj`), summed over the query heads that read the KV head;
+        a TurboQuant cache spreads its values' error by it (kvcache/turboquant_cache.py). The columns come from
+        the projection's own method on unit rows, so any weight layout or format serves, and under tensor
+        parallelism each rank's own columns, with no all-reduce. None where a layer has no `o_proj` beside it."""
+        found = {}
+        for module in self.modules():
+            attn, proj = getattr(module, "attn", None), getattr(module, "o_proj", None)
+            if isinstance(attn, Attention) and isinstance(proj, Linear):
+                energy = _column_energy(proj, dtype, device)
+                found[attn] = energy.view(attn.num_kv_heads, -1, attn.head_dim).sum(1)
+        return [found.get(attn) for attn in self.attention_layers()]
+
+
+def _column_energy(proj: Linear, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """|W[:, j]|^2 for each input feature j of `proj`, bias left out."""
+    eye = torch.eye(proj.in_features, dtype=dtype, device=device)
+    columns = proj.method.apply(proj, eye).float() - proj.method.apply(proj, torch.zeros_like(eye[:1])).float()
+    return columns.square().sum(1)

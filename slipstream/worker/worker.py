@@ -53,6 +53,7 @@ def _allocate_kv_cache(c: EngineConfig, loaded: LoadedModel, backend: Backend, d
     shapes = [(attn.num_kv_heads, attn.head_dim) for attn in layers]
     # how far each layer's keys turn over the positions served (TurboQuant calibration: turboquant_cache.py)
     turns = [None if attn.key_rotation is None else attn.key_rotation * max_model_len for attn in layers]
+    value_weights = loaded.model.value_weights(dtype, backend.device) if kv_dtype.is_turboquant else None
     memory = c.kv_cache_memory
     if tokens is not None:
         memory = tokens * KVCache.bytes_per_token_of(shapes, kv_dtype, dtype, c.kv_cache_dense_layers)
@@ -63,6 +64,6 @@ def _allocate_kv_cache(c: EngineConfig, loaded: LoadedModel, backend: Backend, d
     heads = sum(h for h, _ in shapes)  # tensor parallel: a rank with fewer KV heads needs less for the same blocks
     cache = KVCache(shapes, kv_dtype, dtype, memory * heads // agree(heads, "max"), c.block_size, backend.device,
                     c.kv_cache_dense_layers, c.kv_cache_recent_tokens, c.max_num_seqs, c.kv_cache_sink_tokens, turns,
-                    [attn.sliding_window for attn in layers])
+                    [attn.sliding_window for attn in layers], value_weights)
     cache.num_blocks = agree(cache.num_blocks, "min")  # every rank's block table indexes the same blocks
     return cache

@@ -1,5 +1,6 @@
 """The Triton TurboQuant encoder against `TurboQuantizer.quantize`: the same bytes at the same slots,
-for every bit width and key mode, keys scaled by the cache's mu and sigma, outlier channels permuted."""
+for every bit width and key mode, keys scaled by the cache's mu and sigma and values by a scale alone, outlier
+channels permuted."""
 from __future__ import annotations
 
 import pytest
@@ -17,10 +18,11 @@ def encode_both(kv_dtype, dim=64, heads=3, tokens=40):
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(tokens, heads, dim, generator=g) * torch.linspace(0.2, 5.0, dim) + 1).to(DEVICE)
     slots = torch.randperm(cache.k.shape[0] * cache.block_size, generator=g)[:tokens].to(DEVICE)
+    value_scale = torch.linspace(2.0, 0.5, dim).expand(heads, dim).contiguous().to(DEVICE)  # a scale, no mean
     for rows, quantizer, scaling in ((cache.k, cache.key_quantizer, (cache.key_mean, cache.key_scale)),
-                                     (cache.v, cache.value_quantizer, (None, None))):
+                                     (cache.v, cache.value_quantizer, (None, value_scale))):
         kernel.encode(rows, quantizer, x, slots, *scaling)
-        values = x if scaling[0] is None else cache.scaled_keys(x)
+        values = x / value_scale if scaling[0] is None else cache.scaled_keys(x)
         yield quantizer, rows.view(-1, heads, quantizer.nbytes)[slots], quantizer.quantize(values)
 
 

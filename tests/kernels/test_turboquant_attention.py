@@ -184,10 +184,11 @@ def test_native_encoder_writes_the_bytes_quantize_returns(isa, kv_dtype):
     cache = _cache(kv_dtype, 3, 9, 64)
     x = torch.randn(1024, 3, 64, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.2, 5.0, 64)
     slots = torch.randperm(1024)
+    value_scale = torch.linspace(2.0, 0.5, 64).expand(3, 64).contiguous()  # values: a scale and no mean
     for rows, quantizer, scaling in ((cache.k, cache.key_quantizer, (cache.key_mean, cache.key_scale)),
-                                     (cache.v, cache.value_quantizer, (None, None))):
+                                     (cache.v, cache.value_quantizer, (None, value_scale))):
         assert _native_write(rows, quantizer, x, slots, *scaling)
-        values = x if scaling[0] is None else cache.scaled_keys(x)
+        values = x / value_scale if scaling[0] is None else cache.scaled_keys(x)
         ours, want = rows.view(-1, 3, quantizer.nbytes)[slots], quantizer.quantize(values)
         # sums in another order can round a norm to the neighbouring fp16, or move a coordinate that sits on
         # a codebook boundary to the neighbouring code: measured in 0-3 of these 3,072 rows

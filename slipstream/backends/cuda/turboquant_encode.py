@@ -51,7 +51,8 @@ def _store_packed(rows, at, codes, t_ok, DG: tl.constexpr, DG_PAD: tl.constexpr,
 def _encode_group(x, mean, scale, order, constants, slots, rows, num_tokens, channel_start, byte_start,
                   rotation_at, centroids_at, boundaries_at, sketch_at,
                   HK: tl.constexpr, D: tl.constexpr, NBYTES: tl.constexpr, DG: tl.constexpr, DG_PAD: tl.constexpr,
-                  MSE_BITS: tl.constexpr, QJL: tl.constexpr, NORM_CORRECTION: tl.constexpr, SCALED: tl.constexpr,
+                  MSE_BITS: tl.constexpr, QJL: tl.constexpr, NORM_CORRECTION: tl.constexpr, CENTERED: tl.constexpr,
+                  SCALED: tl.constexpr,
                   PERMUTED: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     head = tl.program_id(1)
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -63,10 +64,11 @@ def _encode_group(x, mean, scale, order, constants, slots, rows, num_tokens, cha
         channel = tl.load(order + head * D + channel_start + j, mask=j_ok, other=0)
     mask = t_ok[:, None] & j_ok[None, :]
     xv = tl.load(x + (t * HK + head)[:, None] * D + channel[None, :], mask=mask, other=0.0).to(tl.float32)
-    if SCALED:  # keys: (x - mu) / sigma, per head and channel
-        mu = tl.load(mean + head * D + channel, mask=j_ok, other=0.0)
+    if CENTERED:  # keys: (x - mu) / sigma, values x / s, per head and channel
+        xv = xv - tl.load(mean + head * D + channel, mask=j_ok, other=0.0)[None, :]
+    if SCALED:
         sigma = tl.load(scale + head * D + channel, mask=j_ok, other=1.0)
-        xv = tl.where(mask, (xv - mu[None, :]) / sigma[None, :], 0.0)
+        xv = tl.where(mask, xv / sigma[None, :], 0.0)
     square = j_ok[:, None] & j_ok[None, :]
     rotation = tl.load(constants + rotation_at + j[:, None] * DG + j[None, :], mask=square, other=0.0)
     y = _dot(xv, tl.trans(rotation), INTERPRETED)  # x @ R.T
@@ -97,7 +99,7 @@ def _encode_group(x, mean, scale, order, constants, slots, rows, num_tokens, cha
 
 def encode(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots: torch.Tensor,
            mean: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> None:
-    """Write quantize((x - mean) / scale) (or quantize(x)) of x [T, Hk, D] into rows
+    """Write quantize((x - mean) / scale) of x [T, Hk, D] (mean 0 and scale 1 where None) into rows
     [num_blocks, block_size, Hk, nbytes] at slots [T], as TurboQuantLayerCache.write does."""
     tokens, heads, dim = x.shape
     if rows.dtype != torch.uint8 or rows.shape[-2:] != (heads, quantizer.nbytes) or not rows.is_contiguous():
@@ -113,7 +115,8 @@ def encode(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots
             x, mean_, scale_, order, constants, slots, rows, tokens, channel, byte,
             rotation_at, centroids_at, boundaries_at, sketch_at,
             HK=heads, D=dim, NBYTES=quantizer.nbytes, DG=dg, DG_PAD=triton.next_power_of_2(dg),
-            MSE_BITS=mse_bits, QJL=bool(qjl), NORM_CORRECTION=bool(norm_correction), SCALED=mean is not None,
+            MSE_BITS=mse_bits, QJL=bool(qjl), NORM_CORRECTION=bool(norm_correction),
+            CENTERED=mean is not None, SCALED=scale is not None,
             PERMUTED=quantizer.channel_order is not None, BLOCK=BLOCK_T, INTERPRETED=interpreted())
 
 

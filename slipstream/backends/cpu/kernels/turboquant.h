@@ -25,8 +25,8 @@ typedef struct {
 } DenseTokens;
 
 // One layer. to_keys: [kv_heads, dim, keys.width] maps a query into key code space (rotation, QJL projection,
-// key scale), back: [kv_heads, values.width, dim] maps value code space back to channels
-// (TurboQuantLayerCache.decode_maps); scores are scaled by `scale`.
+// key scale), back: [kv_heads, values.width, dim] maps value code space back to channels (value scale included:
+// TurboQuantLayerCache.decode_maps); scores are scaled by `scale`.
 typedef struct {
     CodeRows keys, values;
     const float *to_keys, *back;
@@ -41,8 +41,8 @@ typedef struct {
 // cache + (slots[t] * heads + h) * nbytes.
 typedef struct {
     const float *x;             // [tokens, heads, dim] float32
-    const float *mean, *scale;  // NULL, or [heads, dim]: x is quantized as (x - mean) / scale (keys:
-                                // TurboQuantLayerCache.scaled_keys)
+    const float *mean, *scale;  // each NULL (0, 1) or [heads, dim]: x is quantized as (x - mean) / scale
+                                // (TurboQuantLayerCache.scaled_keys; values: scaled_values, no mean)
     const int64_t *order;       // NULL, or [heads, dim]: the channel order per head (outlier group first)
     const int32_t *group_info;  // [count, 4]: dim, mse bits, qjl, norm correction
     const float *constants;     // per group its rotation (dim x dim), centroids, boundaries, and for QJL its

@@ -117,8 +117,9 @@ int turboquant_encode(const TurboQuantEncode *e) {
         int h = (int)(r % heads);
         float scaled[MAX_DIM], row[MAX_DIM];
         const float *src = x + r * dim;
-        if (mean) {
-            for (int j = 0; j < dim; j++) scaled[j] = (src[j] - mean[h * dim + j]) / scale[h * dim + j];
+        if (mean || scale) {
+            for (int j = 0; j < dim; j++)
+                scaled[j] = (src[j] - (mean ? mean[h * dim + j] : 0.f)) / (scale ? scale[h * dim + j] : 1.f);
             src = scaled;
         }
         for (int j = 0; j < dim; j++) row[j] = order ? src[order[(int64_t)h * dim + j]] : src[j];
