@@ -142,6 +142,10 @@ def test_value_scale_balances_value_power_against_the_output_projection():
     cache.calibrate(torch.randn(20000, 6, 64, generator=g), torch.randn(20000, 2, 64, generator=g), v)
     expected = (value_std.square() / weight) ** 0.25  # (E v^2 / w)^(1/4), normalised to geometric mean 1
     assert torch.allclose(cache.value_scale, (expected / expected.log().mean().exp()).expand(2, -1), rtol=0.03)
+    split = TurboQuantLayerCache(16, 4, 2, 64, 4, "mse", seed=3, device=torch.device("cpu"), value_bits=2.5,
+                                 value_weights=weight.expand(2, -1))
+    split.calibrate(torch.randn(20000, 6, 64, generator=g), torch.randn(20000, 2, 64, generator=g), v)
+    assert torch.equal(split.value_scale, torch.ones(2, 64))  # an outlier split spends bits by power already
 
 
 def test_the_value_scale_lowers_the_error_that_the_output_projection_meets():
