@@ -25,7 +25,7 @@ TQ_BITS = {"tq4": 4, "tq3.5": 3.5, "tq3": 3, "tq2.5": 2.5, "tq2": 2}
 PRESETS = {"tq4": (4, 4), "tq3.5": (4, 3), "tq3": (4, 2), "tq2.5": (2.5, 2.5), "tq2": (2, 2)}
 # Newest tokens kept in 16 bits per name (tq-k{K}v{V}: the default), and first ones. 112 is 9 staging blocks with the
 # sinks' (kvcache/recent_window.py), the most that keeps tq4 and tq3 within 3.5x / 4.5x of bf16's bytes at 8k; at
-# 64, tq3 lost 1.52% / 1.67% perplexity on code / dialogue at 8k, at 112 1.34% / 1.28% (README, KV-cache dtypes).
+# 64, tq3 lost 1.52% / 1.67% perplexity on code / dialogue at 8k, at 112 1.41% / 1.23% (README, KV-cache dtypes).
 RECENT_TOKENS = {"tq4": 112, "tq3.5": 112, "tq3": 112}
 DEFAULT_RECENT_TOKENS, SINK_TOKENS = 64, 4
 ALLOWED = ["auto", *DENSE, *TQ_BITS, f"tq-k{{K}}v{{V}} (K, V in {', '.join(f'{b:g}' for b in TQ_BITS.values())})",

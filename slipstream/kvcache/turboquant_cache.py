@@ -25,9 +25,9 @@ tied within each pair, so neither depends on the phase the calibration happened 
 Values are stored as v / s, s = (E[v_j^2] / w_j)^(1/4) per KV head and channel, where w_j (`value_weights`) is
 the energy of channel j's column of the output projection over the query heads that read it: the same balance for
 the error that the projection, not a query, meets (attention's sum is linear, so s comes back in `decode_maps`;
-the 16-bit window is read unscaled). SmolLM2's columns differ 10x in energy. tq3 at 8k (kv_defaults.py,
-prose / code / dialogue KL): 0.0171 / 0.0191 / 0.0172 unscaled, 0.0168 / 0.0188 / 0.0156 with w = 1,
-0.0163 / 0.0188 / 0.0155 weighted. Values at 2.5 / 3.5 bits keep s = 1: their outlier split already gives the
+the 16-bit window is read unscaled). SmolLM2's columns differ 10x in energy. tq3 at 8k (kv_defaults.py, code /
+dialogue perplexity): +1.95% / +2.06% unscaled, +1.72% / +1.87% with w = 1, +1.52% / +1.67% weighted (KL 0.0191 /
+0.0172, 0.0188 / 0.0156, 0.0188 / 0.0155). Values at 2.5 / 3.5 bits keep s = 1: their outlier split already gives the
 high-power channels more bits, and the scale on top measured no better (tq2.5 at 8k, perplexity: +2.43 / +3.17 /
 +2.71% without, +2.93 / +3.26 / +2.68% with).
 All of these are measured once, with the outlier channels of 2.5/3.5 bits, then never change, so

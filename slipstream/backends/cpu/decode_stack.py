@@ -113,8 +113,8 @@ def _turboquant_layer(attention: nn.Module, cache: TurboQuantLayerCache,
     return abi.TurboQuantLayer(
         described, abi.DenseTokens() if recent is None else window_tokens(cache),
         native_encoder(cache.k, cache.key_quantizer, cache.key_mean, cache.key_scale),
-        native_encoder(cache.v, cache.value_quantizer, None, cache.value_scale), ctypes.cast(lib.turboquant_paged_attention, ctypes.c_void_p),
-        ctypes.cast(lib.turboquant_encode, ctypes.c_void_p))
+        native_encoder(cache.v, cache.value_quantizer, None, cache.value_scale),
+        ctypes.cast(lib.turboquant_paged_attention, ctypes.c_void_p), ctypes.cast(lib.turboquant_encode, ctypes.c_void_p))
 
 
 class _Described(NamedTuple):
