@@ -6,7 +6,7 @@ key scores come from the codes (centroid gather in the rotated space, plus the Q
 row. The cache is never dequantized to the original space. A backend may pass kernels for
 the decode queries and for prefill chunks over a cached prefix (the CPU's read each
 sequence's own blocks' packed codes, no gather or padding: backends/cpu/attention.py);
-otherwise the same math runs in torch (`TurboQuantizer.scores` / `weighted_sum`), which
+otherwise the same math runs in torch (`TurboQuantizer.scores`, the cache's `value_sum`), which
 kernels are tested against. A prefill chunk with no cached prefix attends to its own fresh
 K/V (as every engine does); every other query reads the codes, its chunk's own tokens too.
 Long chunks may instead take `expanded_prefill`: the context's codes expanded once into code
@@ -246,10 +246,10 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: 
     scores = cache.key_quantizer.scores(q * cache.key_scale[:, None, :], keys) * scale  # <q*sigma, (k-mu)/sigma>
     scores = scores.masked_fill(~visible, float("-inf"))
     if dense is None:
-        return cache.value_quantizer.weighted_sum(scores.softmax(-1), values) * cache.value_scale[:, None, :]
+        return cache.value_sum(scores.softmax(-1), values)
     dense_k, dense_v, dense_mask = dense
     dense_scores = (q @ (dense_k.float() - cache.key_mean[:, None, :]).transpose(-1, -2)) * scale
     probs = torch.cat([scores, dense_scores.masked_fill(~dense_mask, float("-inf"))], -1).softmax(-1)
     length = scores.shape[-1]
-    return (cache.value_quantizer.weighted_sum(probs[..., :length], values) * cache.value_scale[:, None, :]
+    return (cache.value_sum(probs[..., :length], values)
             + probs[..., length:] @ dense_v.float())

@@ -158,6 +158,10 @@ class TurboQuantLayerCache:
         """What is quantized: v / s, for v [..., Hk, D]."""
         return v.float() / self.value_scale
 
+    def value_sum(self, p: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """sum_t p_t v_t in channels: p [..., Hk, M, T], value codes [..., Hk, T, nbytes] -> [..., Hk, M, D]."""
+        return self.value_quantizer.weighted_sum(p, codes) * self.value_scale[:, None, :]
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if not self.calibrated:
             raise RuntimeError("TurboQuantLayerCache.calibrate must run before the first write")
