@@ -27,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="TurboQuant: keep the first and last N layers in 16 bits")
     parser.add_argument("--kv-cache-recent-tokens", type=int, default=d.kv_cache_recent_tokens,
                         help="TurboQuant: also keep the newest R tokens of each sequence in 16 bits "
-                             "(default: the dtype's, 112 for tq4 / tq3.5 / tq3, else 64)")
+                             "(default: the dtype's, 112 for tq4 / tq3.5, 144 for tq3, 128 for tq2.5, else 64)")
     parser.add_argument("--kv-cache-sink-tokens", type=int, default=d.kv_cache_sink_tokens,
                         help="TurboQuant: also keep the first S tokens (attention sinks) of each sequence in 16 bits "
                              "(default: the dtype's, 4)")

@@ -29,7 +29,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_dense_layers: int = 0  # TurboQuant: first and last N layers keep a 16-bit cache
     # TurboQuant: the newest R and the first S tokens (attention sinks) of each sequence also kept in
-    # 16 bits; None: the kv_cache_dtype name's defaults (112 or 64, and 4; none for a "-codes" name)
+    # 16 bits; None: the kv_cache_dtype name's defaults (64 to 144, and 4; none for a "-codes" name)
     kv_cache_recent_tokens: int | None = None
     kv_cache_sink_tokens: int | None = None
     block_size: int = 16

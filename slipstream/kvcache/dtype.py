@@ -8,9 +8,9 @@ auto (the model dtype), bfloat16, float32, fp8 (float8_e4m3), and TurboQuant:
 - a `-qjl` suffix: keys with TurboQuant_prod ((b-1)-bit codes + 1-bit QJL residual) instead of
   TurboQuant_mse, the measured better choice; values always use TurboQuant_mse;
 - a `-codes` suffix: the codes alone. Without it a TurboQuant name also keeps the newest RECENT_TOKENS (112 for
-  tq4, tq3.5 and tq3, else 64) and the first SINK_TOKENS tokens of each sequence in 16 bits (its measured best
-  configuration; kvcache/cache.py lengthens the recent part to a sliding window that the model's layers keep
-  whole, as Gemma 3's 512); `kv_cache_recent_tokens` / `kv_cache_sink_tokens` override either.
+  tq4 and tq3.5, 144 for tq3, 128 for tq2.5, else 64) and the first SINK_TOKENS tokens of each sequence in 16
+  bits (its measured best configuration; kvcache/cache.py lengthens the recent part to a sliding window that the
+  model's layers keep whole, as Gemma 3's 512); `kv_cache_recent_tokens` / `kv_cache_sink_tokens` override either.
 """
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ DENSE = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": torch.floa
 TQ_BITS = {"tq4": 4, "tq3.5": 3.5, "tq3": 3, "tq2.5": 2.5, "tq2": 2}
 # (key bits, value bits) of each name: keys carry most of the loss, so where the bytes allow they get more
 PRESETS = {"tq4": (4, 4), "tq3.5": (4, 3), "tq3": (4, 2), "tq2.5": (2.5, 2.5), "tq2": (2, 2)}
-# Newest tokens kept in 16 bits per name (tq-k{K}v{V}: the default), and first ones. 112 is 9 staging blocks with the
-# sinks' (kvcache/recent_window.py), the most that keeps tq4 and tq3 within 3.5x / 4.5x of bf16's bytes at 8k; at
-# 64, tq3 lost 1.52% / 1.67% perplexity on code / dialogue at 8k, at 112 1.41% / 1.23% (README, KV-cache dtypes).
-RECENT_TOKENS = {"tq4": 112, "tq3.5": 112, "tq3": 112}
+# Newest tokens kept in 16 bits per name (tq-k{K}v{V}: the default), and first ones: per name the most that keeps
+# it within its ratio to bf16's bytes at 8k (3.5x, 4x, 4.5x, 5x), the sinks' block included (kvcache/recent_window.py:
+# 112 is 9 staging blocks). 2-bit codes' 1-byte norms (kvcache/turboquant.py) paid for tq3's 144 and tq2.5's 128
+# (from 112 and 64): code at 8k +1.41% -> +1.11% (tq3), +3.17% -> +2.02% (tq2.5; README, KV-cache dtypes).
+RECENT_TOKENS = {"tq4": 112, "tq3.5": 112, "tq3": 144, "tq2.5": 128}
 DEFAULT_RECENT_TOKENS, SINK_TOKENS = 64, 4
 ALLOWED = ["auto", *DENSE, *TQ_BITS, f"tq-k{{K}}v{{V}} (K, V in {', '.join(f'{b:g}' for b in TQ_BITS.values())})",
            "each tq name + '-qjl' and/or '-codes'"]

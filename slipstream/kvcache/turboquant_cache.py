@@ -30,6 +30,9 @@ dialogue perplexity): +1.95% / +2.06% unscaled, +1.72% / +1.87% with w = 1, +1.5
 0.0172, 0.0188 / 0.0156, 0.0188 / 0.0155). Values at 2.5 / 3.5 bits keep s = 1: their outlier split already gives the
 high-power channels more bits, and the scale on top measured no better (tq2.5 at 8k, perplexity: +2.43 / +3.17 /
 +2.71% without, +2.93 / +3.26 / +2.68% with).
+Both scales also carry a factor per KV head that puts the median stored norm at 1, the middle of the range of
+the 1-byte norms that codes of at most 2 bits keep (TurboQuantizer, NORM8; Gemma 3's norms reach 1,000,
+SmolLM2's 0.06), so that range holds for any model.
 All of these are measured once, with the outlier channels of 2.5/3.5 bits, then never change, so
 every stored block, and the prefix cache, stays valid; no per-token scale is stored. The
 engine runs a calibration prompt first: until `finish_calibration`, attention `observe`s its
@@ -115,10 +118,12 @@ class TurboQuantLayerCache:
         if self.key_turns is not None:
             key_power, query_power = _pair_mean(key_power), _pair_mean(query_power)
         self.key_scale = _balanced(key_power, query_power)
+        self.key_scale = self.key_scale * _median_norm(self.scaled_keys(k))
         self.key_quantizer.calibrate(self.scaled_keys(k))
         if self.value_quantizer.bits % 1 == 0:  # an outlier split already spends its bits by channel power
             weights = torch.ones_like(v[0]) if self.value_weights is None else self.value_weights.to(v.device)
             self.value_scale = _balanced(v.square().mean(0), weights)
+        self.value_scale = self.value_scale * _median_norm(self.scaled_values(v))
         self.value_quantizer.calibrate(self.scaled_values(v))
         self.calibrated = True
 
@@ -273,6 +278,12 @@ def _balanced(power: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     E|weighted error| * E|x / s|^2 (module docstring)."""
     scale = (_floored(power) / _floored(weight)) ** 0.25
     return scale / scale.log().mean(-1, keepdim=True).exp()
+
+
+def _median_norm(x: torch.Tensor) -> torch.Tensor:
+    """[T, Hk, D] -> [Hk, 1]: each head's median vector norm (1 where it is 0)."""
+    median = x.norm(dim=-1).median(0).values[:, None]
+    return torch.where(median > 0, median, 1.0)
 
 
 def _floored(power: torch.Tensor) -> torch.Tensor:

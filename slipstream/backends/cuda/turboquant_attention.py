@@ -17,8 +17,8 @@ does (split-KV), both accumulators merged by its reduction.
 
 Decoding a coordinate j of code space: its code starts at bit `shift[j]` of byte `byte[j]` of
 the row (two bytes are read where a 3-bit code straddles them), its value is
-`values[base[j] + code]` (the piece's factor folded in), times the fp16 norm at `norm[j]` and,
-for QJL signs, the fp16 gamma at `gamma[j]`.
+`values[base[j] + code]` (the piece's factor folded in), times the norm at `norm[j]` (fp16, or one
+byte where `norm_bytes[j]` is 1: NORM8) and, for QJL signs, the fp16 gamma at `gamma[j]`.
 
 This module imports triton at import time: import it lazily.
 """
@@ -31,9 +31,10 @@ import triton
 import triton.language as tl
 
 from slipstream.backends.cuda.paged_attention import LOG2E, MIN_DOT_ROWS, _dot, _find_row, _merge_splits, interpreted
-from slipstream.kvcache.turboquant import TurboQuantizer
+from slipstream.kvcache.turboquant import NORM8_BIAS, TurboQuantizer
 
 CODE_VALUES = 16  # entries per piece in row_layout's value table
+_NORM8_BIAS = tl.constexpr(NORM8_BIAS)
 
 
 @triton.jit
@@ -41,6 +42,16 @@ def _fp16_at(rows, offset, mask):
     lo = tl.load(rows + offset, mask=mask, other=0).to(tl.int32)
     hi = tl.load(rows + offset + 1, mask=mask, other=0).to(tl.int32)
     return (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _norm_at(rows, offset, one_byte, mask):
+    """A row's norm at `offset`: fp16, or NORM8 (byte 0 is 0) where one_byte."""
+    lo = tl.load(rows + offset, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(rows + offset + 1, mask=mask & ~one_byte, other=0).to(tl.int32)
+    half = (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    byte = tl.where(lo > 0, ((lo << 19) + _NORM8_BIAS).to(tl.float32, bitcast=True), 0.0)
+    return tl.where(one_byte, byte, half)
 
 
 @triton.jit
@@ -53,6 +64,7 @@ def _decode_rows(rows, ok, table, values, W_PAD: tl.constexpr):
     base = tl.load(table + 3 * W_PAD + j)
     norm_at = tl.load(table + 4 * W_PAD + j)
     gamma_at = tl.load(table + 5 * W_PAD + j)
+    one_byte = tl.load(table + 6 * W_PAD + j) == 1
     used = bits > 0
     mask = ok[:, None] & used[None, :]
     word = tl.load(rows[:, None] + byte[None, :], mask=mask, other=0).to(tl.int32)
@@ -60,7 +72,7 @@ def _decode_rows(rows, ok, table, values, W_PAD: tl.constexpr):
     word = word | (tl.load(rows[:, None] + byte[None, :] + 1, mask=straddles, other=0).to(tl.int32) << 8)
     code = (word >> shift[None, :]) & ((1 << bits[None, :]) - 1)
     z = tl.load(values + base[None, :] + code, mask=mask, other=0.0)
-    z = z * _fp16_at(rows[:, None], norm_at[None, :], mask)
+    z = z * _norm_at(rows[:, None], norm_at[None, :], one_byte[None, :], mask)
     has_gamma = mask & (gamma_at >= 0)[None, :]
     gamma = _fp16_at(rows[:, None], gamma_at[None, :], has_gamma)
     return tl.where(has_gamma, z * gamma, z)
@@ -177,8 +189,8 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def coordinate_tables(quantizer: TurboQuantizer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 [6, W_PAD] (byte, shift, bits, value base, norm offset, gamma offset per code-space
-    coordinate; bits 0 past the code width) and float32 values [pieces * 16], factors folded in."""
+    """int32 [7, W_PAD] (byte, shift, bits, value base, norm offset, gamma offset, norm bytes per
+    code-space coordinate; bits 0 past the code width) and float32 values [pieces * 16], factors folded in."""
     per_device = _TABLES.setdefault(quantizer, {})  # built once per quantizer and device
     if device not in per_device:
         per_device[device] = _build_tables(quantizer, device)
@@ -188,10 +200,10 @@ def coordinate_tables(quantizer: TurboQuantizer, device: torch.device) -> tuple[
 def _build_tables(quantizer: TurboQuantizer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     pieces, floats = quantizer.row_layout
     width = triton.next_power_of_2(quantizer.code_width)
-    table = torch.zeros(6, width, dtype=torch.int32)
+    table = torch.zeros(7, width, dtype=torch.int32)
     table[5] = -1
     j = 0
-    for p, (offset, bits, count, norm_at, gamma_at) in enumerate(pieces.tolist()):
+    for p, (offset, bits, count, norm_at, gamma_at, norm_bytes) in enumerate(pieces.tolist()):
         bit = torch.arange(count) * bits
         columns = slice(j, j + count)
         table[0, columns] = offset + bit // 8
@@ -200,6 +212,7 @@ def _build_tables(quantizer: TurboQuantizer, device: torch.device) -> tuple[torc
         table[3, columns] = p * CODE_VALUES
         table[4, columns] = norm_at
         table[5, columns] = gamma_at
+        table[6, columns] = norm_bytes
         j += count
     values = floats[:, :1] * floats[:, 1:]  # factor * value
     return table.to(device), values.flatten().contiguous().to(device)

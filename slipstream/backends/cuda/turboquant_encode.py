@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from slipstream.backends.cuda.paged_attention import _dot, interpreted
-from slipstream.kvcache.turboquant import TurboQuantizer
+from slipstream.kvcache.turboquant import NORM8_BIAS, TurboQuantizer
 
 BLOCK_T = 16  # vectors per program: tl.dot needs 16 rows
 
@@ -33,6 +33,16 @@ def _store_fp16(rows, at, value, mask):
     bits = value.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
     tl.store(rows + at, (bits & 0xFF).to(tl.uint8), mask=mask)
     tl.store(rows + at + 1, (bits >> 8).to(tl.uint8), mask=mask)
+
+
+_NORM8_ZERO = tl.constexpr(NORM8_BIAS >> 19)  # NORM8_BIAS's exponent as a code
+
+
+@triton.jit
+def _store_norm8(rows, at, value, mask):
+    """NORM8 (kvcache/turboquant.py): round half up in the float's bits, clamp to the byte."""
+    code = ((value.to(tl.int32, bitcast=True) + (1 << 18)) >> 19) - _NORM8_ZERO
+    tl.store(rows + at, tl.minimum(tl.maximum(code, 0), 255).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -51,7 +61,8 @@ def _store_packed(rows, at, codes, t_ok, DG: tl.constexpr, DG_PAD: tl.constexpr,
 def _encode_group(x, mean, scale, order, constants, slots, rows, num_tokens, channel_start, byte_start,
                   rotation_at, centroids_at, boundaries_at, sketch_at,
                   HK: tl.constexpr, D: tl.constexpr, NBYTES: tl.constexpr, DG: tl.constexpr, DG_PAD: tl.constexpr,
-                  MSE_BITS: tl.constexpr, QJL: tl.constexpr, NORM_CORRECTION: tl.constexpr, CENTERED: tl.constexpr,
+                  MSE_BITS: tl.constexpr, QJL: tl.constexpr, NORM_CORRECTION: tl.constexpr, NORM_BYTES: tl.constexpr,
+                  CENTERED: tl.constexpr,
                   SCALED: tl.constexpr,
                   PERMUTED: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     head = tl.program_id(1)
@@ -94,7 +105,10 @@ def _encode_group(x, mean, scale, order, constants, slots, rows, num_tokens, cha
         at += DG // 8
         _store_fp16(rows, at, tl.sqrt(tl.sum(unit * unit, 1)), t_ok)
         at += 2
-    _store_fp16(rows, at, norm, t_ok)
+    if NORM_BYTES == 1:
+        _store_norm8(rows, at, norm, t_ok)
+    else:
+        _store_fp16(rows, at, norm, t_ok)
 
 
 def encode(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots: torch.Tensor,
@@ -110,12 +124,13 @@ def encode(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots
     constants, order, groups = _tables(quantizer, x.device)
     x, slots = x.contiguous(), slots.contiguous()
     mean_, scale_ = (t.float().contiguous() if t is not None else constants for t in (mean, scale))
-    for dg, mse_bits, qjl, norm_correction, channel, byte, rotation_at, centroids_at, boundaries_at, sketch_at in groups:
+    for dg, mse_bits, qjl, norm_correction, norm_bytes, channel, byte, rotation_at, centroids_at, boundaries_at, \
+            sketch_at in groups:
         _encode_group[(triton.cdiv(tokens, BLOCK_T), heads)](
             x, mean_, scale_, order, constants, slots, rows, tokens, channel, byte,
             rotation_at, centroids_at, boundaries_at, sketch_at,
             HK=heads, D=dim, NBYTES=quantizer.nbytes, DG=dg, DG_PAD=triton.next_power_of_2(dg),
-            MSE_BITS=mse_bits, QJL=bool(qjl), NORM_CORRECTION=bool(norm_correction),
+            MSE_BITS=mse_bits, QJL=bool(qjl), NORM_CORRECTION=bool(norm_correction), NORM_BYTES=norm_bytes,
             CENTERED=mean is not None, SCALED=scale is not None,
             PERMUTED=quantizer.channel_order is not None, BLOCK=BLOCK_T, INTERPRETED=interpreted())
 
@@ -125,7 +140,7 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _tables(quantizer: TurboQuantizer, device: torch.device):
     """The quantizer's constants and channel order on `device`, and per group its launch values
-    (dim, mse bits, QJL, norm correction, first channel, first byte, offsets into the constants),
+    (dim, mse bits, QJL, norm correction, norm bytes, first channel, first byte, offsets into the constants),
     built once per device (and again once calibration has fixed the channel order)."""
     key = (device, quantizer.channel_order is not None)
     per_key = _TABLES.setdefault(quantizer, {})
@@ -139,7 +154,7 @@ def _tables(quantizer: TurboQuantizer, device: torch.device):
 
 def _groups(info: list[list[int]]) -> list[tuple[int, ...]]:
     groups, channel, byte, offset = [], 0, 0, 0
-    for dg, mse_bits, qjl, norm_correction in info:
+    for dg, mse_bits, qjl, norm_correction, norm_bytes in info:
         rotation_at, offset = offset, offset + dg * dg
         centroids_at = boundaries_at = sketch_at = 0
         if mse_bits:  # centroids, then boundaries
@@ -147,8 +162,8 @@ def _groups(info: list[list[int]]) -> list[tuple[int, ...]]:
             offset += 2 ** (mse_bits + 1) - 1
         if qjl:
             sketch_at, offset = offset, offset + dg * dg
-        groups.append((dg, mse_bits, qjl, norm_correction, channel, byte, rotation_at, centroids_at, boundaries_at,
-                       sketch_at))
+        groups.append((dg, mse_bits, qjl, norm_correction, norm_bytes, channel, byte, rotation_at, centroids_at,
+                       boundaries_at, sketch_at))
         channel += dg
-        byte += dg * mse_bits // 8 + (dg // 8 + 4 if qjl else 2)
+        byte += dg * mse_bits // 8 + (dg // 8 + 2 if qjl else 0) + norm_bytes
     return groups

@@ -4,8 +4,9 @@
 #include <stdint.h>
 
 // K or V codes: the cache [num_blocks, block_size, kv_heads, bytes] uint8 and its row layout
-// (TurboQuantizer.row_layout): `count` pieces as [count][5] ints (offset, bits, codes, norm_at, gamma_at;
-// byte offsets in the row, gamma_at < 0: no gamma) and [count][17] floats (factor, then the 16 code values).
+// (TurboQuantizer.row_layout): `count` pieces as [count][6] ints (offset, bits, codes, norm_at, gamma_at, norm
+// bytes; byte offsets in the row, gamma_at < 0: no gamma; a norm is fp16, or one byte as NORM8 in
+// kvcache/turboquant.py) and [count][17] floats (factor, then the 16 code values).
 typedef struct {
     const uint8_t *cache;
     const int32_t *pieces;
@@ -44,7 +45,7 @@ typedef struct {
     const float *mean, *scale;  // each NULL (0, 1) or [heads, dim]: x is quantized as (x - mean) / scale
                                 // (TurboQuantLayerCache.scaled_keys; values: scaled_values, no mean)
     const int64_t *order;       // NULL, or [heads, dim]: the channel order per head (outlier group first)
-    const int32_t *group_info;  // [count, 4]: dim, mse bits, qjl, norm correction
+    const int32_t *group_info;  // [count, 5]: dim, mse bits, qjl, norm correction, norm bytes
     const float *constants;     // per group its rotation (dim x dim), centroids, boundaries, and for QJL its
                                 // residual-to-sketch matrix (dim x dim), back to back
     const int64_t *slots;       // [tokens]

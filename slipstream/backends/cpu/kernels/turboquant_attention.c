@@ -2,9 +2,10 @@
 //
 // Cache layout (kvcache/turboquant_cache.py): [num_blocks, block_size, kv_heads, nbytes] uint8, one row per
 // (token, KV head). A row is a few pieces (kvcache/turboquant.py, TurboQuantizer.row_layout): `count` codes of
-// `bits` bits, LSB first, each standing for value[code] * norm (* gamma * factor for QJL signs), with norm and
-// gamma fp16 in the row. Queries are rotated into that code space, so a key's score is a sum over pieces of
-// scale * <q piece, value[codes]>, and the output is a weighted sum of code-space value rows, rotated back.
+// `bits` bits, LSB first, each standing for value[code] * norm (* gamma * factor for QJL signs), with gamma fp16
+// in the row and the norm fp16 or one byte (NORM8). Queries are rotated into that code space, so a key's score is
+// a sum over pieces of scale * <q piece, value[codes]>, and the output is a weighted sum of code-space value rows,
+// rotated back.
 //
 // A sequence with one query row (decode) is one task per KV head, or one for all its KV heads when there are
 // sequences enough to keep the threads busy (heads_per_task): it rotates each head's G query heads into code space,
@@ -142,6 +143,7 @@ static inline vec decode(const Decoder *d, int bits, const uint8_t *src) {
 
 typedef struct {
     int offset, bits, count, norm_at, gamma_at;  // byte offsets in the row; gamma_at < 0: no gamma
+    int norm_bytes;                              // 2: fp16, 1: NORM8
     float factor;
     Decoder decoder;
 } Piece;
@@ -158,8 +160,18 @@ static inline float half_to_float(const uint8_t *p) {
     return (float)h;
 }
 
+#define NORM8_BIAS (119u << 23)  // kvcache/turboquant.py: (byte << 19) + NORM8_BIAS are the float's bits; byte 0 is 0
+
+static inline float piece_norm(const Piece *piece, const uint8_t *row) {
+    if (piece->norm_bytes == 2) return half_to_float(row + piece->norm_at);
+    uint32_t bits = ((uint32_t)row[piece->norm_at] << 19) + NORM8_BIAS;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return row[piece->norm_at] ? x : 0.f;
+}
+
 static inline float piece_scale(const Piece *piece, const uint8_t *row) {
-    float s = half_to_float(row + piece->norm_at) * piece->factor;
+    float s = piece_norm(piece, row) * piece->factor;
     return piece->gamma_at < 0 ? s : s * half_to_float(row + piece->gamma_at);
 }
 
@@ -217,11 +229,21 @@ static inline __m512 lane_halves(const uint8_t *first, int64_t stride) {
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(word[0]));
 }
 
+// The norms of 16 rows, row t at first + t * stride, row t in lane t.
+static inline __m512 lane_norms(const Piece *piece, const uint8_t *first, int64_t stride) {
+    if (piece->norm_bytes == 2) return lane_halves(first + piece->norm_at, stride);
+    __m512i word[8];
+    transposed_words(first + piece->norm_at, stride, 1, word);
+    __m512i byte = _mm512_and_si512(word[0], _mm512_set1_epi32(0xFF));
+    __m512 x = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(byte, 19), _mm512_set1_epi32(NORM8_BIAS)));
+    return _mm512_maskz_mov_ps(_mm512_test_epi32_mask(byte, byte), x);
+}
+
 // piece_scale of 16 rows, row t at first + t * stride, into scales[piece][t].
 static inline void block_scales(const Layout *l, const uint8_t *first, int64_t stride, float scales[][MAX_BLOCK]) {
     for (int p = 0; p < l->count; p++) {
         const Piece *piece = &l->pieces[p];
-        vec s = _mm512_mul_ps(lane_halves(first + piece->norm_at, stride), vsplat(piece->factor));
+        vec s = _mm512_mul_ps(lane_norms(piece, first, stride), vsplat(piece->factor));
         if (piece->gamma_at >= 0) s = _mm512_mul_ps(s, lane_halves(first + piece->gamma_at, stride));
         vstore(scales[p], s);
     }
@@ -269,7 +291,7 @@ static inline __attribute__((always_inline)) void score_block(const Layout *kl, 
             score_words(piece, first_row + piece->offset, stride, q + at, kl->width, group, 4, acc);
         else
             score_words(piece, first_row + piece->offset, stride, q + at, kl->width, group, 2, acc);
-        vec s = _mm512_mul_ps(lane_halves(first_row + piece->norm_at, stride), vsplat(piece->factor * scale));
+        vec s = _mm512_mul_ps(lane_norms(piece, first_row, stride), vsplat(piece->factor * scale));
         for (int g = 0; g < group; g++) total[g] = vfma(_mm512_add_ps(acc[g][0], acc[g][1]), s, total[g]);
     }
     for (int g = 0; g < group; g++) vstore(scores[g], total[g]);
@@ -786,13 +808,15 @@ static int make_layout(Layout *layout, const int32_t *ints, const float *floats,
     int total = 0;
     for (int p = 0; p < count; p++) {
         Piece *piece = &layout->pieces[p];
-        piece->offset = ints[5 * p];
-        piece->bits = ints[5 * p + 1];
-        piece->count = ints[5 * p + 2];
-        piece->norm_at = ints[5 * p + 3];
-        piece->gamma_at = ints[5 * p + 4];
+        piece->offset = ints[6 * p];
+        piece->bits = ints[6 * p + 1];
+        piece->count = ints[6 * p + 2];
+        piece->norm_at = ints[6 * p + 3];
+        piece->gamma_at = ints[6 * p + 4];
+        piece->norm_bytes = ints[6 * p + 5];
         piece->factor = floats[17 * p];
-        if (piece->bits < 1 || piece->bits > 4 || piece->count % VW) return -1;
+        if (piece->bits < 1 || piece->bits > 4 || piece->count % VW || piece->norm_bytes < 1 || piece->norm_bytes > 2)
+            return -1;
         make_decoder(&piece->decoder, piece->bits, floats + 17 * p + 1);
         layout->by_tokens &= VW == 16 && (piece->bits == 2 || piece->bits == 4) && piece->gamma_at < 0;
         total += piece->count;

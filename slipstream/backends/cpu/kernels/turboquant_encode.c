@@ -5,7 +5,8 @@
 //
 // Per channel group (one, or two for 2.5/3.5 bits): y = R x; norm = |y|; u = y / norm; codes = bucketize(u)
 // packed LSB first; with norm correction norm /= <u, c[codes]>; for QJL keys, the signs of (u - c[codes]) S^T
-// and gamma = |u - c[codes]|; then fp16 gamma and norm. A row is the groups' bytes, concatenated.
+// and gamma = |u - c[codes]|; then fp16 gamma and the norm, fp16 or one byte (NORM8 in kvcache/turboquant.py). A row
+// is the groups' bytes, concatenated.
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -18,13 +19,21 @@
 #define MAX_GROUPS 2
 
 typedef struct {
-    int dim, mse_bits, qjl, norm_correction;
+    int dim, mse_bits, qjl, norm_correction, norm_bytes;
     const float *rotation_t, *centroids, *boundaries, *sketch;  // rotation_t: R transposed, [dim][dim]
 } Group;
 
 static void put_half(uint8_t *dst, float x) {  // round to nearest even, as torch's .to(float16); little-endian
     _Float16 h = (_Float16)x;
     memcpy(dst, &h, sizeof h);
+}
+
+// Round half up in the float's bits to 4 exponent bits (2^-8 to 2^7) over 4 mantissa bits; byte 0 is 0.
+static void put_norm8(uint8_t *dst, float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int32_t code = (int32_t)((bits + (1u << 18)) >> 19) - (119 << 4);
+    *dst = (uint8_t)(code < 0 ? 0 : code > 255 ? 255 : code);
 }
 
 static uint8_t *pack(const int *codes, int n, int bits, uint8_t *dst) {
@@ -72,8 +81,11 @@ static uint8_t *encode_group(const Group *g, const float *x, uint8_t *dst) {
         put_half(dst, sqrtf(residual));
         dst += 2;
     }
-    put_half(dst, norm);
-    return dst + 2;
+    if (g->norm_bytes == 1)
+        put_norm8(dst, norm);
+    else
+        put_half(dst, norm);
+    return dst + g->norm_bytes;
 }
 
 static void free_rotations(Group *groups, int count) {
@@ -95,10 +107,11 @@ int turboquant_encode(const TurboQuantEncode *e) {
     if (count > MAX_GROUPS || dim > MAX_DIM) return -1;
     for (int i = 0; i < count; i++) {
         Group *g = &groups[i];
-        g->dim = group_info[4 * i];
-        g->mse_bits = group_info[4 * i + 1];
-        g->qjl = group_info[4 * i + 2];
-        g->norm_correction = group_info[4 * i + 3];
+        g->dim = group_info[5 * i];
+        g->mse_bits = group_info[5 * i + 1];
+        g->qjl = group_info[5 * i + 2];
+        g->norm_correction = group_info[5 * i + 3];
+        g->norm_bytes = group_info[5 * i + 4];
         float *rotation_t = malloc(sizeof(float) * g->dim * g->dim);
         if (!rotation_t) return free_rotations(groups, i), -1;
         for (int r = 0; r < g->dim; r++)
