@@ -47,11 +47,9 @@ def _fp16_at(rows, offset, mask):
 @triton.jit
 def _norm_at(rows, offset, one_byte, mask):
     """A row's norm at `offset`: fp16, or NORM8 (byte 0 is 0) where one_byte."""
-    lo = tl.load(rows + offset, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(rows + offset + 1, mask=mask & ~one_byte, other=0).to(tl.int32)
-    half = (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    byte = tl.where(lo > 0, ((lo << 19) + _NORM8_BIAS).to(tl.float32, bitcast=True), 0.0)
-    return tl.where(one_byte, byte, half)
+    byte = tl.load(rows + offset, mask=mask & one_byte, other=0).to(tl.int32)
+    norm8 = tl.where(byte > 0, ((byte << 19) + _NORM8_BIAS).to(tl.float32, bitcast=True), 0.0)
+    return tl.where(one_byte, norm8, _fp16_at(rows, offset, mask & ~one_byte))
 
 
 @triton.jit

@@ -62,7 +62,8 @@ def _encode_group(x, mean, scale, order, constants, slots, rows, num_tokens, cha
                   rotation_at, centroids_at, boundaries_at, sketch_at,
                   HK: tl.constexpr, D: tl.constexpr, NBYTES: tl.constexpr, DG: tl.constexpr, DG_PAD: tl.constexpr,
                   MSE_BITS: tl.constexpr, QJL: tl.constexpr, NORM_CORRECTION: tl.constexpr, NORM_BYTES: tl.constexpr,
-                  CENTERED: tl.constexpr, SCALED: tl.constexpr, PERMUTED: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+                  CENTERED: tl.constexpr, SCALED: tl.constexpr, PERMUTED: tl.constexpr, BLOCK: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
     head = tl.program_id(1)
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     t_ok = t < num_tokens

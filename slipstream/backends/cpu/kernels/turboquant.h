@@ -3,6 +3,9 @@
 #pragma once
 #include <stdint.h>
 
+// A one-byte norm (NORM8 in kvcache/turboquant.py): (byte << 19) + NORM8_BIAS are its float32 bits; byte 0 is 0.
+#define NORM8_BIAS (119u << 23)
+
 // K or V codes: the cache [num_blocks, block_size, kv_heads, bytes] uint8 and its row layout
 // (TurboQuantizer.row_layout): `count` pieces as [count][6] ints (offset, bits, codes, norm_at, gamma_at, norm
 // bytes; byte offsets in the row, gamma_at < 0: no gamma; a norm is fp16, or one byte as NORM8 in

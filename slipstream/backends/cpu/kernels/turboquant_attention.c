@@ -160,8 +160,6 @@ static inline float half_to_float(const uint8_t *p) {
     return (float)h;
 }
 
-#define NORM8_BIAS (119u << 23)  // kvcache/turboquant.py: (byte << 19) + NORM8_BIAS are the float's bits; byte 0 is 0
-
 static inline float piece_norm(const Piece *piece, const uint8_t *row) {
     if (piece->norm_bytes == 2) return half_to_float(row + piece->norm_at);
     uint32_t bits = ((uint32_t)row[piece->norm_at] << 19) + NORM8_BIAS;

@@ -32,7 +32,7 @@ static void put_half(uint8_t *dst, float x) {  // round to nearest even, as torc
 static void put_norm8(uint8_t *dst, float x) {
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);
-    int32_t code = (int32_t)((bits + (1u << 18)) >> 19) - (119 << 4);
+    int32_t code = (int32_t)((bits + (1u << 18)) >> 19) - (int32_t)(NORM8_BIAS >> 19);
     *dst = (uint8_t)(code < 0 ? 0 : code > 255 ? 255 : code);
 }
 
