@@ -5,7 +5,9 @@ request's cache salt. A new sequence reuses the cached blocks of its longest cac
 prefix (reference count + 1) and computes only the rest. Freed blocks keep their content
 and hash; allocation takes the least recently freed block first, so a cached prefix lives
 until its memory is actually needed. A hit is verified against the block's token ids and
-its parent block, so even a hash collision can never hand out the wrong K/V.
+its parent block, so even a hash collision can never hand out the wrong K/V. A hit is taken only
+where `reusable` says that its blocks still read as they were computed (a TurboQuant cache's
+16-bit sinks, kvcache/cache.py); otherwise the prompt is computed again.
 
 Invariants: free + used = total; ref counts never negative; a block is in the free queue
 exactly when its ref count is 0.
@@ -44,8 +46,9 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = sha256_block_hash):
+                 hash_fn: HashFn = sha256_block_hash, reusable: Callable[[list[int]], bool] = lambda hits: True):
         self.block_size = block_size
+        self.reusable = reusable
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -94,7 +97,7 @@ class BlockManager:
             if block_id is None or not self._matches(self.blocks[block_id], seq, i, hits):
                 break
             hits.append(block_id)
-        return hits
+        return hits if not hits or self.reusable(hits) else []
 
     def _matches(self, block: Block, seq: Sequence, index: int, hits: list[int]) -> bool:
         tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])

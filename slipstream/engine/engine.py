@@ -65,7 +65,8 @@ class LLMEngine:
             self._check_deterministic(loaded.model)
         self.max_model_len = worker.max_model_len
         num_blocks = self.kv_cache.num_blocks - (0 if config.enforce_eager else 1)  # the last: CUDA graphs' scratch
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          reusable=self.kv_cache.holds_sinks)
         self.speculator = self._speculator(config, loaded) if config.speculative_config is not None else None
         # a TurboQuant window sized by default serves kv_cache.window_seqs sequences at once: run no more
         self.scheduler = Scheduler(self.block_manager, min(config.max_num_seqs, self.kv_cache.window_seqs),

@@ -14,7 +14,9 @@ staged block's dense copy always matches its codes, also after the block is free
 reused (reuse starts again at offset 0, which re-stages or un-stages it) and for blocks that
 a prefix-cache hit shares (they are never rewritten). Blocks that leave every scheduled
 sequence's window are reclaimed least recently used first; a block that finds no staging
-stays codes-only, which costs quality but never correctness.
+stays codes-only, which costs quality but never correctness. A cached sink block whose staging
+was reclaimed is never staged again (a shared block is not rewritten), so a prefix-cache hit on
+it would read its sinks from codes to the end (`holds_sinks`: the engine computes it again).
 
 The pool holds max_num_seqs * (ceil(R / block_size) + 1 + ceil(S / block_size)) blocks, the
 most that the windows of one step's sequences span, and its bytes come out of the KV-cache
@@ -136,6 +138,10 @@ class Staging:
     def exists(self, blocks: torch.Tensor) -> torch.Tensor:
         """[..., n] physical blocks -> [..., n * block_size] bool: the token has a staged copy."""
         return (self.staging_of[blocks] >= 0).repeat_interleave(self.block_size, -1)
+
+    def holds_sinks(self, blocks: list[int]) -> bool:
+        """Whether the sink blocks among a block table's head `blocks` still have their staging (in the plan)."""
+        return all(self.host_staging_of[block] >= 0 for block in blocks[:self.sink_blocks])
 
 
 class RecentWindow:
