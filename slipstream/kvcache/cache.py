@@ -201,7 +201,8 @@ class KVCache:
         """Whether a prefix-cache hit on `blocks` (a block table's head) still reads its sink tokens in 16 bits.
         Once other sequences' windows took that staging the hit would read them from codes to its end: SmolLM2
         tq3, 6,144 cached tokens hit after 2,048 others, KL to the bf16 cache over the next 1,024 tokens 0.0178
-        without the hit, 0.0699 with it (Gemma 3: 0.0047, 0.0117); the window's other tokens cost 0.0005."""
+        without the hit, 0.0719 with it, 0.0699 with only the sink block's staging taken (Gemma 3: 0.0047, 0.0134,
+        0.0117); the window's other tokens cost 0.0005."""
         return all(staging.holds_sinks(blocks) for staging in self.stagings.values())
 
     @property
