@@ -5,9 +5,11 @@ request's cache salt. A new sequence reuses the cached blocks of its longest cac
 prefix (reference count + 1) and computes only the rest. Freed blocks keep their content
 and hash; allocation takes the least recently freed block first, so a cached prefix lives
 until its memory is actually needed. A hit is verified against the block's token ids and
-its parent block, so even a hash collision can never hand out the wrong K/V. A hit is taken only
-where `reusable` says that its blocks still read as they were computed (a TurboQuant cache's
-16-bit sinks, kvcache/cache.py); otherwise the prompt is computed again.
+its parent block, so even a hash collision can never hand out the wrong K/V. Where `stale_head`
+says that a hit's first blocks no longer read as they were computed (a TurboQuant cache's sinks
+whose 16-bit copy is gone, kvcache/cache.py), those are computed again into fresh blocks and the
+rest of the hit is shared: their K/V depends on no later token, and the rest was computed with
+the head as it then read.
 
 Invariants: free + used = total; ref counts never negative; a block is in the free queue
 exactly when its ref count is 0.
@@ -46,9 +48,9 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = sha256_block_hash, reusable: Callable[[list[int]], bool] = lambda hits: True):
+                 hash_fn: HashFn = sha256_block_hash, stale_head: Callable[[list[int]], int] = lambda hits: 0):
         self.block_size = block_size
-        self.reusable = reusable
+        self.stale_head = stale_head
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -86,8 +88,9 @@ class BlockManager:
             hashes.append(self.hash_fn(hashes[i - 1] if i else None, tokens, seq.cache_salt))
         return hashes[:num_blocks]
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix; the last token is always left to compute."""
+    def find_cached_prefix(self, seq: Sequence) -> list[int | None]:
+        """Block ids holding the longest cached prefix, None for a head block to compute again; the last token is
+        always left to compute."""
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         hits: list[int] = []
@@ -97,7 +100,8 @@ class BlockManager:
             if block_id is None or not self._matches(self.blocks[block_id], seq, i, hits):
                 break
             hits.append(block_id)
-        return hits if not hits or self.reusable(hits) else []
+        stale = self.stale_head(hits) if hits else 0
+        return [] if stale >= len(hits) > 0 else [None] * stale + hits[stale:]
 
     def _matches(self, block: Block, seq: Sequence, index: int, hits: list[int]) -> bool:
         tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
@@ -121,34 +125,40 @@ class BlockManager:
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     # --- allocation --------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        reclaimed = sum(self.blocks[b].ref_count == 0 for b in hits)
+    def can_allocate(self, seq: Sequence, hits: list[int | None], num_new_tokens: int) -> bool:
+        """Room for a head to compute again and the first `num_new_tokens` tokens after the hit (admitted on its
+        head's room alone, the last of tq3's 14 requests in benchmarks/kv_capacity.py went back to the queue 13
+        times, at the chunk after the head each time)."""
+        needed = hits.count(None) + self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        reclaimed = sum(self.blocks[b].ref_count == 0 for b in hits if b is not None)
         return needed <= self.num_free_blocks - reclaimed
 
-    def allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
-        """Admit a waiting sequence: share its cached prefix, then room for its first chunk."""
+    def allocate(self, seq: Sequence, hits: list[int | None], num_new_tokens: int) -> int:
+        """Admit a waiting sequence: share its cached prefix, with fresh blocks for a head to compute again (the
+        sequence's first chunk then), and room for the first `num_new_tokens` tokens after it. Returns the prompt
+        tokens that the cache serves."""
         assert not seq.block_table
-        for block_id in hits:
+        head = hits.count(None)
+        for block_id in hits[head:]:
             self._take(block_id)
-        seq.block_table = list(hits)
+        seq.block_table = [self._fresh_block() for _ in range(head)] + hits[head:]
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
+        assert self.append_slots(seq, num_new_tokens)
+        if head:
+            seq.cached_gap, seq.num_computed_tokens = (head * self.block_size, seq.num_computed_tokens), 0
+        cached = (len(hits) - head) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += seq.num_computed_tokens
-        assert self.append_slots(seq, num_new_tokens)
+            self.prefix_cache_hits += cached
+        return cached
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for the next `num_new_tokens`; all-or-nothing."""
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if needed > self.num_free_blocks:
             return False
-        for _ in range(needed):
-            block_id = next(iter(self.free_queue))
-            self._evict(block_id)
-            self._take(block_id)
-            seq.block_table.append(block_id)
+        seq.block_table += [self._fresh_block() for _ in range(needed)]
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -156,6 +166,7 @@ class BlockManager:
         self.trim(seq, 0)
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.cached_gap = None
 
     def trim(self, seq: Sequence, num_tokens: int) -> bool:
         """Release the blocks past those the first `num_tokens` tokens need (lookahead slots of
@@ -170,6 +181,13 @@ class BlockManager:
         released = len(seq.block_table) > keep
         del seq.block_table[keep:]
         return released
+
+    def _fresh_block(self) -> int:
+        """The least recently freed block, its cached content given up."""
+        block_id = next(iter(self.free_queue))
+        self._evict(block_id)
+        self._take(block_id)
+        return block_id
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -66,7 +66,7 @@ class LLMEngine:
         self.max_model_len = worker.max_model_len
         num_blocks = self.kv_cache.num_blocks - (0 if config.enforce_eager else 1)  # the last: CUDA graphs' scratch
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          reusable=self.kv_cache.holds_sinks)
+                                          stale_head=self.kv_cache.stale_head)
         self.speculator = self._speculator(config, loaded) if config.speculative_config is not None else None
         # a TurboQuant window sized by default serves kv_cache.window_seqs sequences at once: run no more
         self.scheduler = Scheduler(self.block_manager, min(config.max_num_seqs, self.kv_cache.window_seqs),
@@ -241,7 +241,7 @@ class LLMEngine:
             self._append(seq, samples, now)
             # K/V of the rejected drafts is not the sequence's; a stop at an accepted draft leaves all computed
             rejected = len(s.spec_token_ids) - max(len(samples) - 1, 0)
-            seq.num_computed_tokens = min(seq.num_computed_tokens + s.num_new_tokens - rejected, seq.num_tokens)
+            seq.advance(s.num_new_tokens - rejected)
             self.block_manager.cache_full_blocks(seq)
             if s.spec_token_ids:
                 self.speculator.record(seq, len(s.spec_token_ids), len(samples) - 1)

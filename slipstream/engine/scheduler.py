@@ -56,7 +56,7 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_schedulable_tokens, budget)
             drafts[seq] = self._lookahead(seq, proposals.get(seq, [])[:budget - n])
             if self._make_room(seq, n + len(drafts[seq]), scheduled):
                 scheduled[seq] = n + len(drafts[seq])
@@ -104,12 +104,13 @@ class Scheduler:
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if not self.block_manager.can_allocate(seq, hits, n):
                 break
-            self.block_manager.allocate(seq, hits, n)
+            cached = self.block_manager.allocate(seq, hits, n)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if not seq.num_preemptions:
-                seq.num_cached_tokens = seq.num_computed_tokens
+                seq.num_cached_tokens = cached
             self.running.append(seq)
+            n = min(seq.num_schedulable_tokens, budget)  # a head computed again comes first
             scheduled[seq] = n
             budget -= n
 

@@ -3,7 +3,9 @@
 A request with n > 1 owns n sequences. A sequence knows its tokens (prompt + output), how
 many of them already have K/V in the cache (`num_computed_tokens`), which physical blocks
 hold that K/V (`block_table`), and its timings. Preemption resets `num_computed_tokens` to
-0 and frees the blocks; the tokens themselves are kept and recomputed.
+0 and frees the blocks; the tokens themselves are kept and recomputed. A prefix-cache hit
+whose head is computed again (BlockManager) leaves a gap: once the head's tokens are
+computed, the cached tokens after it count as computed too (`advance`).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix cache)
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.cached_gap: tuple[int, int] | None = None  # (end of a head computed again, end of its cached hit)
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.spec_accepted: float | None = None  # speculative decoding: running mean of accepted drafts
@@ -72,6 +75,17 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Uncomputed tokens that one chunk may take: a head computed again ends its chunk (`cached_gap`)."""
+        return (self.cached_gap[0] if self.cached_gap else self.num_tokens) - self.num_computed_tokens
+
+    def advance(self, num_tokens: int) -> None:
+        """`num_tokens` more tokens have K/V; at the end of a head computed again, so do the cached ones after it."""
+        self.num_computed_tokens = min(self.num_computed_tokens + num_tokens, self.num_tokens)
+        if self.cached_gap and self.num_computed_tokens == self.cached_gap[0]:
+            self.num_computed_tokens, self.cached_gap = self.cached_gap[1], None
 
     @property
     def grammar_ready(self) -> bool:

@@ -197,13 +197,14 @@ class KVCache:
                   if self.window_memory else "codes alone")
         return f"{spec.name} ({keys}, {spec.value_bits:g}-bit values; {window})"
 
-    def holds_sinks(self, blocks: list[int]) -> bool:
-        """Whether a prefix-cache hit on `blocks` (a block table's head) still reads its sink tokens in 16 bits.
-        Once other sequences' windows took that staging the hit would read them from codes to its end: SmolLM2
-        tq3, 6,144 cached tokens hit after 2,048 others, KL to the bf16 cache over the next 1,024 tokens 0.0178
-        without the hit, 0.0719 with it, 0.0699 with only the sink block's staging taken (Gemma 3: 0.0047, 0.0134,
-        0.0117); the window's other tokens cost 0.0005."""
-        return all(staging.holds_sinks(blocks) for staging in self.stagings.values())
+    def stale_head(self, blocks: list[int]) -> int:
+        """How many of a prefix-cache hit's first `blocks` to compute again: its sink blocks, once other sequences'
+        windows took their staging. Read from codes, they would cost the hit's sequence to its end: SmolLM2 tq3,
+        6,144 cached tokens hit after 2,048 others, KL to the bf16 cache over the next 1,024 tokens 0.0178 without
+        the hit, 0.0719 with it, 0.0699 with only the sink block's staging taken (Gemma 3: 0.0047, 0.0134, 0.0117);
+        the window's other tokens cost 0.0005."""
+        return max((staging.sink_blocks for staging in self.stagings.values() if not staging.holds_sinks(blocks)),
+                   default=0)
 
     @property
     def needs_calibration(self) -> bool:

@@ -16,7 +16,8 @@ a prefix-cache hit shares (they are never rewritten). Blocks that leave every sc
 sequence's window are reclaimed least recently used first; a block that finds no staging
 stays codes-only, which costs quality but never correctness. A cached sink block whose staging
 was reclaimed is never staged again (a shared block is not rewritten), so a prefix-cache hit on
-it would read its sinks from codes to the end (`holds_sinks`: the engine computes it again).
+it would read its sinks from codes to the end (`holds_sinks`: the engine computes the sink
+blocks again).
 
 The pool holds max_num_seqs * (ceil(R / block_size) + 1 + ceil(S / block_size)) blocks, the
 most that the windows of one step's sequences span, and its bytes come out of the KV-cache

@@ -92,6 +92,33 @@ def test_eviction_takes_least_recently_freed_first():
     assert len(bm.find_cached_prefix(_seq([5, 6, 7, 8, 9]))) == 2
 
 
+def test_a_stale_head_is_computed_again_into_fresh_blocks_and_the_rest_shared():
+    bm = BlockManager(num_blocks=8, block_size=2, stale_head=lambda hits: 1)
+    first = _seq([1, 2, 3, 4, 5, 6, 7])
+    _fill(bm, first)  # nothing cached yet: blocks 0-3
+    again = _seq([1, 2, 3, 4, 5, 6, 7])
+    hits = bm.find_cached_prefix(again)
+    assert hits == [None, first.block_table[1], first.block_table[2]]
+    assert bm.can_allocate(again, hits, 1) and bm.num_free_blocks == 4
+    assert bm.allocate(again, hits, 1) == 4  # room for the head and the token after the hit
+    head = again.block_table[0]
+    assert head not in first.block_table and again.block_table[1:3] == first.block_table[1:3]
+    assert len(again.block_table) == 4 and bm.num_free_blocks == 2
+    assert (again.num_computed_tokens, again.num_schedulable_tokens) == (0, 2)
+    again.advance(1)
+    assert (again.num_computed_tokens, again.num_schedulable_tokens) == (1, 1)
+    again.advance(1)  # the head is done: the cached tokens after it count too
+    assert (again.num_computed_tokens, again.num_schedulable_tokens, again.cached_gap) == (6, 1, None)
+    bm.cache_full_blocks(again)
+    assert bm.blocks[head].hash is None  # the cached head stays the one later hits find
+    assert bm.find_cached_prefix(_seq([1, 2, 3, 4, 5, 6, 7])) == hits
+    bm.stale_head = lambda hits: len(hits)  # a hit that is all head gains nothing
+    assert bm.find_cached_prefix(_seq([1, 2, 3, 4, 5, 6, 7])) == []
+    bm.free(again)
+    bm.free(first)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_forced_hash_collision_never_returns_wrong_blocks(tiny_llama):
     engine = make_engine(tiny_llama)
     engine.block_manager.hash_fn = lambda parent, tokens, salt: b"same-hash-for-everything"
@@ -143,6 +170,23 @@ def test_random_workloads_equal_caching_off(tiny_llama, cached_engine, uncached_
     prompts = [bases[family][:length] + [7] for family, length in spec]
     assert run(cached_engine, prompts) == run(uncached_engine, prompts)
     bm = cached_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 40)), min_size=1, max_size=8), st.integers(1, 4))
+def test_random_workloads_whose_hits_compute_their_head_again_equal_caching_off(cached_engine, uncached_engine,
+                                                                                 spec, stale):
+    """Every hit's first `stale` blocks computed again (as a TurboQuant cache asks once its sinks lost their
+    16-bit copy), under chunking and preemption: the same tokens, and every block back."""
+    bases = random_prompts(3, 40, 40, seed=9)
+    prompts = [bases[family][:length] + [7] for family, length in spec]
+    bm = cached_engine.block_manager
+    bm.stale_head = lambda hits: stale
+    try:
+        assert run(cached_engine, prompts) == run(uncached_engine, prompts)
+    finally:
+        bm.stale_head = lambda hits: 0
     assert bm.num_free_blocks == bm.num_blocks
 
 

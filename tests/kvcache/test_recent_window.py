@@ -178,23 +178,28 @@ def test_prefix_caching_and_preemption_invariants_with_16_bit_tokens(tiny_llama,
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["num_used_blocks"] == 0
 
 
-@pytest.mark.parametrize("contended", [False, True])
-def test_a_prefix_hit_is_taken_only_while_its_sinks_are_staged(tiny_llama, contended):
+def test_a_prefix_hit_computes_its_sinks_again_once_their_staging_is_gone(tiny_llama):
     """One sequence's staging (3 blocks): a 200-token prompt that decodes into a new block between the two runs of
-    a prompt takes all three, the cached prompt's sink block's too, which is never staged again; the prompt is then
-    computed again rather than read with its sinks from codes. Either way it continues as a cold start does."""
+    a prompt takes all three, the cached prompt's sink block's too, which is never staged again; the hit then
+    computes its sink block again into a fresh block and shares the two after it, rather than read its sinks from
+    codes, and reads as a hit without the other prompt does."""
     knobs = dict(dtype="float32", kv_cache_dtype="tq3", max_num_seqs=1, kv_cache_recent_tokens=8,
                  kv_cache_sink_tokens=3)
-    prompt, greedy = list(range(3, 60)), SamplingParams(temperature=0, max_tokens=6)
-    cold = LLM(tiny_llama, **knobs).generate([prompt], greedy, use_tqdm=False)[0]
-    llm = LLM(tiny_llama, **knobs)
-    llm.generate([prompt], greedy, use_tqdm=False)
-    if contended:
-        llm.generate([list(range(100, 300))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                     use_tqdm=False)
-    again = llm.generate([prompt], greedy, use_tqdm=False)[0]
-    assert again.num_cached_tokens == (0 if contended else 48)
-    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+    prompt, greedy = list(range(3, 60)), SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+    cold = LLM(tiny_llama, **knobs).generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+    hits = {}
+    for contended in (False, True):
+        llm = LLM(tiny_llama, **knobs)
+        llm.generate([prompt], greedy, use_tqdm=False)
+        if contended:
+            llm.generate([list(range(100, 300))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                         use_tqdm=False)
+        hits[contended] = llm.generate([prompt], greedy, use_tqdm=False)[0]
+        assert hits[contended].outputs[0].token_ids == cold.token_ids
+        assert llm.stats()["num_used_blocks"] == 0
+    assert [hits[c].num_cached_tokens for c in (False, True)] == [48, 32]
+    got, want = ([next(iter(step.values())).logprob for step in hits[c].outputs[0].logprobs] for c in (True, False))
+    assert got == pytest.approx(want, abs=1e-5)
 
 
 @pytest.mark.parametrize("knob", ["kv_cache_recent_tokens", "kv_cache_sink_tokens"])
