@@ -127,8 +127,8 @@ class BlockManager:
     # --- allocation --------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, hits: list[int | None], num_new_tokens: int) -> bool:
         """Room for a head to compute again and the first `num_new_tokens` tokens after the hit (admitted on its
-        head's room alone, the last of tq3's 14 requests in benchmarks/kv_capacity.py went back to the queue 13
-        times, at the chunk after the head each time)."""
+        head's room alone, the last of tq3's 14 requests in benchmarks/kv_capacity.py was preempted 14 times, not
+        once: at the chunk after its head, each time it came back)."""
         needed = hits.count(None) + self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
         reclaimed = sum(self.blocks[b].ref_count == 0 for b in hits if b is not None)
         return needed <= self.num_free_blocks - reclaimed
@@ -142,7 +142,7 @@ class BlockManager:
         for block_id in hits[head:]:
             self._take(block_id)
         seq.block_table = [self._fresh_block() for _ in range(head)] + hits[head:]
-        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = len(hits) * self.block_size  # the room after the hit counts from its end
         seq.num_registered_blocks = len(hits)
         assert self.append_slots(seq, num_new_tokens)
         if head:
