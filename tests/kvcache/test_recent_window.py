@@ -199,7 +199,7 @@ def test_a_prefix_hit_computes_its_sinks_again_once_their_staging_is_gone(tiny_l
         assert llm.stats()["num_used_blocks"] == 0
     assert [hits[c].num_cached_tokens for c in (False, True)] == [48, 32]
     got, want = ([next(iter(step.values())).logprob for step in hits[c].outputs[0].logprobs] for c in (True, False))
-    assert got == pytest.approx(want, abs=1e-5)
+    assert got == pytest.approx(want, abs=1e-4)  # equal here; the head's 16-row GEMMs may round apart elsewhere
 
 
 @pytest.mark.parametrize("knob", ["kv_cache_recent_tokens", "kv_cache_sink_tokens"])
