@@ -7,6 +7,8 @@ tested against, and a backend may hand it a faster kernel for the decode queries
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -64,7 +66,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     q_, k_, v_ = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     mask = None
     if window is not None or chunk.context_len > chunk.length:
-        mask = causal_mask(chunk.length, chunk.context_len, window, q.device)
+        key = ("causal additive", window, q.dtype)
+        if key not in chunk.memo:  # once per step, not per layer; SDPA would turn a bool mask into this each call
+            visible = causal_mask(chunk.length, chunk.context_len, window, q.device)
+            chunk.memo[key] = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible,
+                                                                                                   -math.inf)
+        mask = chunk.memo[key]
     out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None,
                                          scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
