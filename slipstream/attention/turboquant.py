@@ -149,22 +149,33 @@ def expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: T
     space by `embed_maps`. Returns [n, Hk, G, D] in q's dtype."""
     n, num_kv, group, dim = q.shape
     to_keys, back = cache.decode_maps
-    code_k, code_v = expand(cache, chunk, q.dtype)
     mask, dense = _prefill_reads(k, v, cache, chunk, window)
+    key = ("additive", id(mask), q.dtype)  # the memo keeps mask alive, so its id stays its own
+    if key not in chunk.memo:
+        chunk.memo[key] = _additive_mask(mask, None if dense is None else dense[2], q.dtype)
+    (lo, hi), additive = chunk.memo[key]
+    code_k, code_v = (x[:, lo:hi] for x in expand(cache, chunk, q.dtype))
     if dense is not None:
         embed_k, embed_v = cache.embed_maps
         dense_k, dense_v, _ = dense
         code_k = torch.cat([code_k, ((dense_k.float() - cache.key_mean[:, None]) @ embed_k).to(q.dtype)], 1)
         code_v = torch.cat([code_v, (dense_v.float() @ embed_v).to(q.dtype)], 1)
-    key = ("additive", id(mask), q.dtype)  # the memo keeps mask alive, so its id stays its own
-    if key not in chunk.memo:  # what SDPA would make of the bool masks at every call
-        visible = mask if dense is None else torch.cat([mask, dense[2]], 1)
-        chunk.memo[key] = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, -math.inf)
     qk = (q.float().permute(1, 2, 0, 3) @ to_keys[:, None]).flatten(0, 1)  # [Hk * G, n, Wk]
-    out = F.scaled_dot_product_attention(qk[None].to(q.dtype), code_k[None], code_v[None], attn_mask=chunk.memo[key],
+    out = F.scaled_dot_product_attention(qk[None].to(q.dtype), code_k[None], code_v[None], attn_mask=additive,
                                          scale=scale, enable_gqa=True)
     out = out[0].float().view(num_kv, group * n, -1) @ back  # [Hk, G*n, D]
     return out.view(num_kv, group, n, dim).permute(2, 0, 1, 3).to(q.dtype)
+
+
+def _additive_mask(mask: torch.Tensor, dense_mask: torch.Tensor | None,
+                   dtype: torch.dtype) -> tuple[tuple[int, int], torch.Tensor]:
+    """The code columns [lo, hi) that some query reads, and the additive mask of those and the 16-bit columns (what
+    SDPA would make of the bool masks at every call). A sliding layer that stages its whole window reads no codes:
+    Gemma 3's chunks had attended over every code column of the context, all of them masked."""
+    read = mask.any(0).nonzero().flatten().tolist()
+    lo, hi = (read[0], read[-1] + 1) if read else (0, 0)
+    visible = mask[:, lo:hi] if dense_mask is None else torch.cat([mask[:, lo:hi], dense_mask], 1)
+    return (lo, hi), torch.zeros(visible.shape, dtype=dtype, device=mask.device).masked_fill_(~visible, -math.inf)
 
 
 def _prefill_reads(k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache, chunk: PrefillChunk,
