@@ -171,7 +171,8 @@ def _additive_mask(mask: torch.Tensor, dense_mask: torch.Tensor | None,
                    dtype: torch.dtype) -> tuple[tuple[int, int], torch.Tensor]:
     """The code columns [lo, hi) that some query reads, and the additive mask of those and the 16-bit columns (what
     SDPA would make of the bool masks at every call). A sliding layer that stages its whole window reads no codes:
-    Gemma 3's chunks had attended over every code column of the context, all of them masked."""
+    Gemma 3's chunks had attended over every code column of the context, all of them masked (tq3, one 8k prompt:
+    6.14 -> 4.06 s)."""
     read = mask.any(0).nonzero().flatten().tolist()
     lo, hi = (read[0], read[-1] + 1) if read else (0, 0)
     visible = mask[:, lo:hi] if dense_mask is None else torch.cat([mask[:, lo:hi], dense_mask], 1)
