@@ -68,13 +68,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     if window is not None or chunk.context_len > chunk.length:
         key = ("causal additive", window, q.dtype)
         if key not in chunk.memo:  # once per step, not per layer; SDPA would turn a bool mask into this each call
-            visible = causal_mask(chunk.length, chunk.context_len, window, q.device)
-            chunk.memo[key] = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible,
-                                                                                                   -math.inf)
+            chunk.memo[key] = additive_mask(causal_mask(chunk.length, chunk.context_len, window, q.device), q.dtype)
         mask = chunk.memo[key]
     out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None,
                                          scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where visible, -inf elsewhere: what SDPA makes of a bool mask at every call, made once."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -math.inf)
 
 
 def decode_mask(length: int, context_lens: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -143,8 +143,9 @@ def expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: T
                      chunk: PrefillChunk, scale: float, window: int | None, expand) -> torch.Tensor:
     """What `_prefill` computes for a chunk's queries q [n, Hk, G, D], as one fused
     scaled_dot_product_attention in code space, for chunks long enough that its GEMMs win over
-    reading codes per query: `expand(cache, chunk, dtype)` gives every context token's code-space key
-    and value rows [Hk, L, W] (TurboQuantLayerCache.code_space or a backend's twin), the queries enter
+    reading codes per query: `expand(cache, chunk, length, dtype)` gives the first `length` context tokens'
+    code-space key and value rows [Hk, length, W] (TurboQuantLayerCache.code_space or a backend's twin), only
+    as far as some query reads codes, the queries enter
     key code space through `decode_maps`, and the 16-bit tokens join the same softmax, mapped into code
     space by `embed_maps`. Returns [n, Hk, G, D] in q's dtype."""
     n, num_kv, group, dim = q.shape
@@ -154,7 +155,7 @@ def expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: T
     if key not in chunk.memo:
         chunk.memo[key] = _additive_mask(mask, None if dense is None else dense[2], q.dtype)
     (lo, hi), additive = chunk.memo[key]
-    code_k, code_v = (x[:, lo:hi] for x in expand(cache, chunk, q.dtype))
+    code_k, code_v = (x[:, lo:] for x in expand(cache, chunk, hi, q.dtype))
     if dense is not None:
         embed_k, embed_v = cache.embed_maps
         dense_k, dense_v, _ = dense
@@ -169,14 +170,14 @@ def expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: T
 
 def _additive_mask(mask: torch.Tensor, dense_mask: torch.Tensor | None,
                    dtype: torch.dtype) -> tuple[tuple[int, int], torch.Tensor]:
-    """The code columns [lo, hi) that some query reads, and the additive mask of those and the 16-bit columns (what
-    SDPA would make of the bool masks at every call). A sliding layer that stages its whole window reads no codes:
+    """The code columns [lo, hi) that some query reads, and the additive mask of those and the 16-bit columns. A
+    sliding layer that stages its whole window reads no codes:
     Gemma 3's chunks had attended over every code column of the context, all of them masked (tq3, one 8k prompt:
     6.14 -> 4.06 s)."""
     read = mask.any(0).nonzero().flatten().tolist()
     lo, hi = (read[0], read[-1] + 1) if read else (0, 0)
     visible = mask[:, lo:hi] if dense_mask is None else torch.cat([mask[:, lo:hi], dense_mask], 1)
-    return (lo, hi), torch.zeros(visible.shape, dtype=dtype, device=mask.device).masked_fill_(~visible, -math.inf)
+    return (lo, hi), reference.additive_mask(visible, dtype)
 
 
 def _prefill_reads(k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache, chunk: PrefillChunk,

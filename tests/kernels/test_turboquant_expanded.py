@@ -19,8 +19,8 @@ from slipstream.kvcache.dtype import TQ_BITS
 from tests.kernels.test_turboquant_attention import DTYPES, TOL
 from tests.kernels.test_turboquant_prefill import _chunks, _filled, staged_second_chunk
 
-def _torch_expand(cache, chunk, dtype):
-    return cache.code_space(chunk.block_table, chunk.context_len, dtype)
+def _torch_expand(cache, chunk, length, dtype):
+    return cache.code_space(chunk.block_table, length, dtype)
 
 
 def _case(kv_dtype: str, num_heads: int, kv_heads: int, n: int = 70, length: int = 150):
@@ -40,10 +40,12 @@ def _expanded(q, k, v, cache, chunk, window, expand=_expand):
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_native_expansion_equals_the_torch_code_space(isa, kv_dtype):
     cache, chunk, *_ = _case(kv_dtype, 6, 2)
-    for ours, want in zip(_expand(cache, chunk, torch.float32), _torch_expand(cache, chunk, torch.float32)):
+    for ours, want in zip(_expand(cache, chunk, chunk.context_len, torch.float32),
+                          _torch_expand(cache, chunk, chunk.context_len, torch.float32)):
         assert ours.shape == want.shape and ours.shape[:2] == (2, 150)
         torch.testing.assert_close(ours, want, rtol=1e-6, atol=0)  # QJL scales multiply in another order
-    for ours, want in zip(_expand(cache, chunk, torch.bfloat16), _torch_expand(cache, chunk, torch.float32)):
+    for ours, want in zip(_expand(cache, chunk, chunk.context_len, torch.bfloat16),
+                          _torch_expand(cache, chunk, chunk.context_len, torch.float32)):
         torch.testing.assert_close(ours, want.to(torch.bfloat16), rtol=2 ** -8, atol=0)
 
 

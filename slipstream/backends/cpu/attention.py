@@ -156,10 +156,12 @@ def window_tokens(cache: TurboQuantLayerCache) -> abi.DenseTokens:
                            int(recent.k.dtype == torch.bfloat16))
 
 
-def _expand(cache: TurboQuantLayerCache, chunk: PrefillChunk, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """TurboQuantLayerCache.code_space in kernels/turboquant_attention.c, straight to `dtype`."""
+def _expand(cache: TurboQuantLayerCache, chunk: PrefillChunk, length: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """TurboQuantLayerCache.code_space of the chunk's first `length` tokens in kernels/turboquant_attention.c,
+    straight to `dtype`."""
     table = chunk.block_table.to(torch.int64).contiguous()
-    return tuple(_expand_rows(rows, quantizer, table, chunk.context_len, dtype)
+    return tuple(_expand_rows(rows, quantizer, table, length, dtype)
                  for rows, quantizer in ((cache.k, cache.key_quantizer), (cache.v, cache.value_quantizer)))
 
 
