@@ -8,13 +8,13 @@ the decode queries and for prefill chunks over a cached prefix (the CPU's read e
 sequence's own blocks' packed codes, no gather or padding: backends/cpu/attention.py);
 otherwise the same math runs in torch (`TurboQuantizer.scores`, the cache's `value_sum`), which
 kernels are tested against. A prefill chunk with no cached prefix attends to its own fresh
-K/V (as every engine does); every other query reads the codes, its chunk's own tokens too.
+K/V (as every engine does); every other query reads the codes, without a 16-bit window its chunk's own too.
 Long chunks may instead take `expanded_prefill`: the context's codes expanded once into code
 space, then one fused SDPA, which turns the per-query reading of codes into GEMMs.
 
-With R recent and S sink tokens (kvcache/recent_window.py), a query at position p reads every
-token t <= p with t > p - R or t < S in 16 bits instead: the step's own tokens from the fresh
-k/v, older ones from the cache's staging blocks where they have one (else from the codes). Each token is scored
+With R recent and S sink tokens (kvcache/recent_window.py), a query at position p reads in 16 bits
+instead every token of its own step (from the fresh k/v, causal) and every older token t with t > p - R
+or t < S from the cache's staging blocks where it has one (else from the codes). Each token is scored
 exactly once; code and 16-bit logits share one softmax (the codes hold k - mu, so <q, mu> is
 taken off the 16-bit logits). A kernel applies the same rule token by token, reading staged
 tokens from the staging blocks and the query's own from the fresh k/v.
@@ -110,15 +110,15 @@ def _decode_dense(recent: RecentWindow, k: torch.Tensor, v: torch.Tensor, tables
     staged_mask = exists & (staged_pos < qpos) & _near(staged_pos, qpos, recent, window)
     dense_k = torch.cat([staged_k, k[:, None].to(staged_k.dtype)], 1).transpose(1, 2)
     dense_v = torch.cat([staged_v, v[:, None].to(staged_v.dtype)], 1).transpose(1, 2)
-    dense_mask = torch.cat([staged_mask, _near(qpos, qpos, recent, window)], 1)
+    dense_mask = torch.cat([staged_mask, torch.ones_like(staged_mask[:, :1])], 1)
     return dense_k, dense_v, dense_mask[:, None, None, :]
 
 
 def _read_dense(recent: RecentWindow, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """[B, L] bool: code slots that each decode query reads in 16 bits instead (staged or its own, and near)."""
+    """[B, L] bool: code slots that each decode query reads in 16 bits instead (its own, or staged and near)."""
     qpos = (lens - 1)[:, None]
     pos = torch.arange(tables.shape[1] * recent.block_size, device=lens.device)
-    return (recent.exists(tables) | (pos == qpos)) & _near(pos, qpos, recent, None)
+    return (recent.exists(tables) & _near(pos, qpos, recent, None)) | (pos == qpos)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
@@ -205,19 +205,21 @@ def _prefill_reads(k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache
 
 def _read_masks(recent: RecentWindow, chunk: PrefillChunk,
                 window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The code mask [n, L], the 16-bit mask [n, Ls + n], and the staged prefix blocks' indices in the table."""
+    """The code mask [n, L], the 16-bit mask [n, Ls + n], and the staged prefix blocks' indices in the table.
+    The chunk's own tokens are all read in 16 bits: had its queries read the older of them from their codes, each
+    own token would have been a column of both kinds (SmolLM2, 8k prompt: n + ~160 more columns per chunk)."""
     staged = recent.staging_of[chunk.block_table] >= 0  # [blocks]
     index = _staged_prefill_blocks(recent, chunk)
     n, length, device = chunk.length, chunk.context_len, staged.device
     start = length - n
     pos = torch.arange(length, device=device)
     qpos = pos[start:, None]  # [n, 1]
-    readable = staged.repeat_interleave(recent.block_size)[:length] | (pos >= start)
-    mask = reference.causal_mask(n, length, window, device) & ~(readable & _near(pos, qpos, recent, None))
+    exact = staged.repeat_interleave(recent.block_size)[:length] & _near(pos, qpos, recent, None)
+    mask = reference.causal_mask(n, length, window, device) & ~exact & (pos < start)
     staged_pos = _positions(index, recent.block_size)
     exists = staged[index].repeat_interleave(recent.block_size) & (staged_pos < start)
     staged_mask = exists & _near(staged_pos, qpos, recent, window)
-    return mask, torch.cat([staged_mask, _near(pos[start:], qpos, recent, window)], 1), index
+    return mask, torch.cat([staged_mask, reference.causal_mask(n, n, window, device)], 1), index
 
 
 def _staged_decode_window(window: RecentWindow, tables: torch.Tensor, lens: torch.Tensor):

@@ -39,13 +39,15 @@ def _step(decodes: list[tuple[str, int]], prefills: list[tuple[str, int, int]]):
                          [TABLES[s] for s, _ in decodes] + [TABLES[s] for s, _, _ in prefills], slots)
 
 
-def _expected(q, cache, seq, pos, exact_k, exact_v, new_positions):
-    """One query at `pos`: 16-bit K/V for staged or new tokens among the recent or sink ones, codes for the rest."""
+def _expected(q, cache, seq, pos, exact_k, exact_v, own_positions, staged=None):
+    """One query at `pos`: 16-bit K/V for its step's own tokens and for staged ones among the recent or sink ones,
+    codes for the rest; `staged` [pos + 1] bool, by default the cache's staging."""
     table = torch.tensor(TABLES[seq])
     k, v = cache.gather(table, pos + 1, torch.float32)  # dequantized [Hk, pos+1, D]
     t = torch.arange(pos + 1)
-    staged = cache.window.exists(table)[:pos + 1] | torch.isin(t, torch.tensor(new_positions))
-    exact = ((t > pos - cache.window.tokens) | (t < cache.window.sinks)) & staged
+    staged = cache.window.exists(table)[:pos + 1] if staged is None else staged
+    near = (t > pos - cache.window.tokens) | (t < cache.window.sinks)
+    exact = (near & staged) | torch.isin(t, torch.tensor(own_positions))
     k = torch.where(exact[None, :, None], exact_k[:pos + 1].transpose(0, 1), k)
     v = torch.where(exact[None, :, None], exact_v[:pos + 1].transpose(0, 1), v)
     k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
@@ -111,7 +113,7 @@ def test_chunks_read_their_whole_window_in_16_bits_from_a_pool_sized_for_decode(
             out = turboquant.paged_attention(q, exact_k[positions], exact_v[positions], cache, meta, SCALE)
             for row, pos in enumerate(positions):
                 if pos >= 8:  # every token of (pos - R, pos] exact
-                    want = _expected(q[row], cache, "d", pos, exact_k, exact_v, list(range(pos + 1)))
+                    want = _expected(q[row], cache, "d", pos, exact_k, exact_v, positions, torch.ones(pos + 1, dtype=torch.bool))
                     assert torch.allclose(out[row], want, atol=1e-5), (pos, (out[row] - want).abs().max())
     finally:
         del TABLES["d"]

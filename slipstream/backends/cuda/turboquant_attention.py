@@ -142,7 +142,7 @@ def _turboquant_attention(q, q_rot, key_rows, value_rows, key_table, key_values,
             fresh = pos_ok & (pos >= step_start)
             staged = pos_ok & (staging >= 0) & ~fresh
             near = (pos[None, :] > qpos[:, None] - recent) | (pos[None, :] < sinks)
-            dense = visible & near & (fresh | staged)[None, :]
+            dense = visible & ((near & staged[None, :]) | fresh[None, :])
             at_fresh = (q_begin + pos - step_start) * HK + kv_head
             at_staged = (staging * BLOCK_SIZE + pos % BLOCK_SIZE) * HK + kv_head
             load_fresh = fresh[:, None] & dim_ok[None, :]

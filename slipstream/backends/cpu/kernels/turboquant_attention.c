@@ -362,11 +362,11 @@ static inline void load_row(const void *base, int64_t row, int dim, int bf16, fl
     }
 }
 
-// Whether a query at `query` reads token `t` in 16 bits instead of codes (attention/turboquant.py, _near): among
-// the newest `recent` or the first `sinks`, and staged or the query's own token.
+// Whether a query at `query` reads token `t` in 16 bits instead of codes (attention/turboquant.py, _near): its own
+// token, or one among the newest `recent` or the first `sinks` that is staged.
 static inline int read_dense(const Step *st, const int64_t *table, int64_t t, int64_t query) {
-    return st->staging_of && (t > query - st->recent || t < st->sinks) &&
-           (t == query || st->staging_of[table[t / st->block_size]] >= 0);
+    return st->staging_of && (t == query || ((t > query - st->recent || t < st->sinks) &&
+                                             st->staging_of[table[t / st->block_size]] >= 0));
 }
 
 // The largest of x[0..n) and init, in four independent chains (one chain waited on each compare's latency; the
@@ -560,7 +560,7 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
     for (int64_t first = start - start % bs; first < end; first += bs) {
         Block b = {first, table[first / bs] * bs, first < start ? (int)(start - first) : 0,
                    end - first < bs ? (int)(end - first) : bs,
-                   st->staging_of && (first < st->sinks || first + bs > end - st->recent)};
+                   st->staging_of && (first < st->sinks || first + bs > end - st->recent || first + bs >= end)};
         if (first + PREFETCH * bs < end) {
             int64_t ahead = table[first / bs + PREFETCH] * bs;
             if (heads == 1)
@@ -652,11 +652,12 @@ static inline void accumulate_vectors(const float *rows, int n, int width, float
         }
 }
 
-// How vector v reads token t: 0 not at all, 1 from its codes, 2 in 16 bits (read_dense's rule, per query);
-// dense_ok: t is staged or one of the step's own tokens.
-static inline int token_kind(const Step *st, const Tile *tile, int v, int64_t t, int dense_ok) {
+// How vector v reads token t: 0 not at all, 1 from its codes, 2 in 16 bits (attention/turboquant.py's rule, per
+// query): with a window, the step's own tokens always, staged ones (staged) when near.
+static inline int token_kind(const Step *st, const Tile *tile, int v, int64_t t, int staged) {
     if (t > tile->qpos[v] || t < tile->from[v]) return 0;
-    return dense_ok && (t > tile->qpos[v] - st->recent || t < st->sinks) ? 2 : 1;
+    if (st->staging_of && t >= tile->own_from) return 2;
+    return staged && (t > tile->qpos[v] - st->recent || t < st->sinks) ? 2 : 1;
 }
 
 // Scores of one 16-bit token for the vectors that read it so (kind 2; -inf for the rest); returns its V row.
@@ -720,9 +721,10 @@ static Span tile_span(const Tile *tile) {
     return span;
 }
 
-static inline int all_codes(const Step *st, const Span *span, int64_t lo, int64_t hi) {
+static inline int all_codes(const Step *st, const Tile *tile, const Span *span, int64_t lo, int64_t hi) {
     int64_t last = hi - 1 + (st->staging_of ? st->recent : 0);
-    return lo >= span->latest_from && last <= span->earliest_query && (!st->staging_of || lo >= st->sinks);
+    return lo >= span->latest_from && last <= span->earliest_query
+           && (!st->staging_of || (lo >= st->sinks && hi <= tile->own_from));
 }
 
 // One tile: q [MAX_VECTORS][k_width] in key code space, q_channels [MAX_VECTORS][dim] as given. Writes the
@@ -754,11 +756,11 @@ static void attend_tile(const Step *st, const Tile *tile, const float *q, const 
         int64_t slot0 = tile->table[first / bs] * bs;
         int lo = first < span.start ? (int)(span.start - first) : 0;
         int hi = span.end - first < bs ? (int)(span.end - first) : bs;
-        int easy = all_codes(st, &span, first + lo, first + hi), n = 0, nd = 0;
+        int easy = all_codes(st, tile, &span, first + lo, first + hi), n = 0, nd = 0;
         for (int t = lo; t < hi && !easy; t++) {
             int64_t pos = first + t;
-            int dense_ok = st->staging_of && (pos >= tile->own_from || st->staging_of[tile->table[first / bs]] >= 0);
-            for (int v = 0; v < MAX_VECTORS; v++) kind[t][v] = (unsigned char)token_kind(st, tile, v, pos, dense_ok);
+            int staged = st->staging_of && st->staging_of[tile->table[first / bs]] >= 0;
+            for (int v = 0; v < MAX_VECTORS; v++) kind[t][v] = (unsigned char)token_kind(st, tile, v, pos, staged);
         }
         for (int t = lo; t < hi; t++) {  // tokens some vector reads from codes
             int any = easy;
