@@ -8,7 +8,7 @@ the decode queries and for prefill chunks over a cached prefix (the CPU's read e
 sequence's own blocks' packed codes, no gather or padding: backends/cpu/attention.py);
 otherwise the same math runs in torch (`TurboQuantizer.scores`, the cache's `value_sum`), which
 kernels are tested against. A prefill chunk with no cached prefix attends to its own fresh
-K/V (as every engine does); every other query reads the codes, without a 16-bit window its chunk's own too.
+K/V (as every engine does); every other query reads the codes, but for the 16-bit window's tokens (below).
 Long chunks may instead take `expanded_prefill`: the context's codes expanded once into code
 space, then one fused SDPA, which turns the per-query reading of codes into GEMMs.
 

@@ -113,7 +113,8 @@ def test_chunks_read_their_whole_window_in_16_bits_from_a_pool_sized_for_decode(
             out = turboquant.paged_attention(q, exact_k[positions], exact_v[positions], cache, meta, SCALE)
             for row, pos in enumerate(positions):
                 if pos >= 8:  # every token of (pos - R, pos] exact
-                    want = _expected(q[row], cache, "d", pos, exact_k, exact_v, positions, torch.ones(pos + 1, dtype=torch.bool))
+                    every = torch.ones(pos + 1, dtype=torch.bool)  # staged, as far as the window reaches
+                    want = _expected(q[row], cache, "d", pos, exact_k, exact_v, positions, every)
                     assert torch.allclose(out[row], want, atol=1e-5), (pos, (out[row] - want).abs().max())
     finally:
         del TABLES["d"]
