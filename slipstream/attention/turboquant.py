@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from slipstream.attention import reference
 from slipstream.attention.metadata import AttentionMetadata, PrefillChunk
@@ -151,10 +150,10 @@ def expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: T
     n, num_kv, group, dim = q.shape
     to_keys, back = cache.decode_maps
     mask, dense = _prefill_reads(k, v, cache, chunk, window)
-    key = ("additive", id(mask), q.dtype)  # the memo keeps mask alive, so its id stays its own
+    key = ("blocks", id(mask), q.dtype)  # the memo keeps mask alive, so its id stays its own
     if key not in chunk.memo:
-        chunk.memo[key] = _additive_mask(mask, None if dense is None else dense[2], q.dtype)
-    (lo, hi), additive = chunk.memo[key]
+        chunk.memo[key] = _query_blocks(mask, None if dense is None else dense[2], q.dtype, window)
+    (lo, hi), blocks = chunk.memo[key]
     code_k, code_v = (x[:, lo:] for x in expand(cache, chunk, hi, q.dtype))
     if dense is not None:
         embed_k, embed_v = cache.embed_maps
@@ -162,22 +161,21 @@ def expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: T
         code_k = torch.cat([code_k, ((dense_k.float() - cache.key_mean[:, None]) @ embed_k).to(q.dtype)], 1)
         code_v = torch.cat([code_v, (dense_v.float() @ embed_v).to(q.dtype)], 1)
     qk = (q.float().permute(1, 2, 0, 3) @ to_keys[:, None]).flatten(0, 1)  # [Hk * G, n, Wk]
-    out = F.scaled_dot_product_attention(qk[None].to(q.dtype), code_k[None], code_v[None], attn_mask=additive,
-                                         scale=scale, enable_gqa=True)
+    out = reference.blocked_attention(qk[None].to(q.dtype), code_k[None], code_v[None], blocks, scale)
     out = out[0].float().view(num_kv, group * n, -1) @ back  # [Hk, G*n, D]
     return out.view(num_kv, group, n, dim).permute(2, 0, 1, 3).to(q.dtype)
 
 
-def _additive_mask(mask: torch.Tensor, dense_mask: torch.Tensor | None,
-                   dtype: torch.dtype) -> tuple[tuple[int, int], torch.Tensor]:
-    """The code columns [lo, hi) that some query reads, and the additive mask of those and the 16-bit columns. A
-    sliding layer that stages its whole window reads no codes:
+def _query_blocks(mask: torch.Tensor, dense_mask: torch.Tensor | None, dtype: torch.dtype,
+                  window: int | None) -> tuple[tuple[int, int], list]:
+    """The code columns [lo, hi) that some query reads, and `reference.query_blocks` of those and the 16-bit
+    columns (split in a sliding layer). A sliding layer that stages its whole window reads no codes:
     Gemma 3's chunks had attended over every code column of the context, all of them masked (tq3, one 8k prompt:
     6.14 -> 4.06 s)."""
     read = mask.any(0).nonzero().flatten().tolist()
     lo, hi = (read[0], read[-1] + 1) if read else (0, 0)
     visible = mask[:, lo:hi] if dense_mask is None else torch.cat([mask[:, lo:hi], dense_mask], 1)
-    return (lo, hi), reference.additive_mask(visible, dtype)
+    return (lo, hi), reference.query_blocks(visible, dtype, split=window is not None)
 
 
 def _prefill_reads(k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache, chunk: PrefillChunk,

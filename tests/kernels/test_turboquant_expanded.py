@@ -99,9 +99,12 @@ def test_bf16_queries_within_twice_the_bf16_cache_rounding(isa):
 @pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0), (6, 5)])
 @pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 12])
-def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window):
-    """The second chunk of a prefill reads staged prefix tokens and its own near ones in 16 bits (mapped into code
-    space), the rest from codes, each row by its own position."""
+@pytest.mark.parametrize("query_block", [reference.QUERY_BLOCK, 16])  # 16: a sliding layer's rows in 5 blocks
+def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window,
+                                                                 query_block, monkeypatch):
+    """The second chunk of a prefill reads its own tokens and the staged prefix tokens near each row in 16 bits
+    (mapped into code space), the rest from codes, each row by its own position."""
+    monkeypatch.setattr(reference, "QUERY_BLOCK", query_block)
     q, k, v, cache, chunk = staged_second_chunk(recent, sinks, dense_dtype, 70)
     want = turboquant._prefill(q, k, v, cache, chunk, 0.125, window)
     assert (_expanded(q, k, v, cache, chunk, window) - want).abs().max() < TOL

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from slipstream import LLM, SamplingParams
+from slipstream.attention import reference
 from slipstream.loader import registry
 from slipstream.models.gemma3 import FULL, SLIDING, Gemma3ForCausalLM
 from tests.conftest import TINY_VOCAB, hf_greedy, hf_prompt_logprobs, random_prompts
@@ -81,6 +82,13 @@ def test_matches_transformers_with_chunked_prefill_across_window(tmp_path, varia
     llm = LLM(path, dtype="float32", max_num_batched_tokens=16)  # chunks of a prompt straddle the window
     load_kwargs = {"attn_implementation": "eager"} if variant == "softcap" else {}
     check_against_transformers(llm, path, prompts, **load_kwargs)
+
+
+def test_sliding_layers_attend_in_query_blocks_over_what_their_rows_see(tmp_path, monkeypatch):
+    monkeypatch.setattr(reference, "QUERY_BLOCK", 4)  # a 16-row chunk in 4 blocks, each over its rows' columns
+    path = build_tiny_gemma3(str(tmp_path), num_kv_heads=2)
+    check_against_transformers(LLM(path, dtype="float32", max_num_batched_tokens=16), path,
+                               random_prompts(3, 20, 50, seed=2))
 
 
 def test_layer_windows_come_from_config_and_matter(tmp_path):
