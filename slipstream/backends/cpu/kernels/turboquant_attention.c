@@ -757,11 +757,10 @@ static void attend_tile(const Step *st, const Tile *tile, const float *q, const 
         int lo = first < span.start ? (int)(span.start - first) : 0;
         int hi = span.end - first < bs ? (int)(span.end - first) : bs;
         int easy = all_codes(st, tile, &span, first + lo, first + hi), n = 0, nd = 0;
-        for (int t = lo; t < hi && !easy; t++) {
-            int64_t pos = first + t;
-            int staged = st->staging_of && st->staging_of[tile->table[first / bs]] >= 0;
-            for (int v = 0; v < MAX_VECTORS; v++) kind[t][v] = (unsigned char)token_kind(st, tile, v, pos, staged);
-        }
+        int staged = st->staging_of && st->staging_of[tile->table[first / bs]] >= 0;  // the block's, for each token
+        for (int t = lo; t < hi && !easy; t++)
+            for (int v = 0; v < MAX_VECTORS; v++)
+                kind[t][v] = (unsigned char)token_kind(st, tile, v, first + t, staged);
         for (int t = lo; t < hi; t++) {  // tokens some vector reads from codes
             int any = easy;
             for (int v = 0; v < MAX_VECTORS && !any; v++) any = kind[t][v] == 1;
