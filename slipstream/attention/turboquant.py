@@ -33,11 +33,12 @@ from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                    decode_kernel=None, prefill_kernel=None) -> torch.Tensor:
+                    decode_kernel=None, prefill_kernel=None, dense_prefill=reference.prefill_attention) -> torch.Tensor:
     """As reference.paged_attention, on the codes; `decode_kernel(q [B, Hk, G, D], k, v, cache,
     tables, lens, scale, window)` is a backend's kernel for the decode queries and
     `prefill_kernel(q [n, Hk, G, D], k, v, cache, chunk, scale, window)` for a chunk over a
-    cached prefix (either returns None: declined)."""
+    cached prefix (either returns None: declined); `dense_prefill` attends a first chunk to its own K/V
+    (reference.prefill_attention's arguments)."""
     if not cache.calibrated:
         return _calibration_attention(q, k, v, cache, scale, sliding_window)
     cache.write(k, v, meta.slot_mapping)
@@ -52,7 +53,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tu
         rows = slice(chunk.start, chunk.start + chunk.length)
         if chunk.context_len == chunk.length:
             fresh_k, fresh_v = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-            out[rows] = reference.prefill_attention(q[rows], fresh_k, fresh_v, chunk, scale, sliding_window)
+            out[rows] = dense_prefill(q[rows], fresh_k, fresh_v, chunk, scale, sliding_window)
         else:
             out[rows] = _prefill(q[rows], k[rows], v[rows], cache, chunk, scale, sliding_window, prefill_kernel)
     if cache.window is not None:  # after the reads: a chunk's tail may take the slots of the window they read
@@ -139,14 +140,16 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuan
 
 
 def expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
-                     chunk: PrefillChunk, scale: float, window: int | None, expand) -> torch.Tensor:
+                     chunk: PrefillChunk, scale: float, window: int | None, expand,
+                     dense_prefill=reference.prefill_attention) -> torch.Tensor:
     """What `_prefill` computes for a chunk's queries q [n, Hk, G, D], as one fused
     scaled_dot_product_attention in code space, for chunks long enough that its GEMMs win over
     reading codes per query: `expand(cache, chunk, length, dtype)` gives the first `length` context tokens'
     code-space key and value rows [Hk, length, W] (TurboQuantLayerCache.code_space or a backend's twin), only
     as far as some query reads codes, the queries enter
     key code space through `decode_maps`, and the 16-bit tokens join the same softmax, mapped into code
-    space by `embed_maps`. Returns [n, Hk, G, D] in q's dtype."""
+    space by `embed_maps`. A chunk that reads no code attends to its 16-bit tokens through `dense_prefill`
+    (reference.prefill_attention's arguments). Returns [n, Hk, G, D] in q's dtype."""
     n, num_kv, group, dim = q.shape
     to_keys, back = cache.decode_maps
     mask, dense = _prefill_reads(k, v, cache, chunk, window)
@@ -154,6 +157,8 @@ def expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: T
     if key not in chunk.memo:
         chunk.memo[key] = _query_blocks(mask, None if dense is None else dense[2], q.dtype, window)
     (lo, hi), blocks = chunk.memo[key]
+    if lo == hi:
+        return _window_prefill(q, dense, chunk, scale, window, dense_prefill)
     code_k, code_v = (x[:, lo:] for x in expand(cache, chunk, hi, q.dtype))
     if dense is not None:
         embed_k, embed_v = cache.embed_maps
@@ -164,6 +169,23 @@ def expanded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: T
     out = reference.blocked_attention(qk[None].to(q.dtype), code_k[None], code_v[None], blocks, scale)
     out = out[0].float().view(num_kv, group * n, -1) @ back  # [Hk, G*n, D]
     return out.view(num_kv, group, n, dim).permute(2, 0, 1, 3).to(q.dtype)
+
+
+def _window_prefill(q: torch.Tensor, dense: tuple, chunk: PrefillChunk, scale: float, window: int | None,
+                   dense_prefill) -> torch.Tensor:
+    """expanded_prefill's attention where no row reads a code (a sliding layer that stages its window): what the
+    rows see is then one run of positions, all 16-bit, ending with their own, attended as a dense cache's chunk
+    without the code-space maps (Gemma 3's sliding layers spent 0.8 s of an 8k prompt on them). The staged part
+    of the run is the staged columns that some row sees; the key mean the code space takes off is one constant
+    per row there, which softmax ignores."""
+    n, num_kv, group, dim = q.shape
+    dense_k, dense_v, dense_mask = dense  # [Hk, Ls + n, D], [n, Ls + n]
+    staged = dense_k.shape[1] - n
+    seen = dense_mask[:, :staged].any(0).nonzero().flatten()
+    run = slice(int(seen[0]), int(seen[0]) + len(seen)) if len(seen) else slice(0, 0)
+    k_run, v_run = (torch.cat([x[:, run], x[:, staged:]], 1).to(q.dtype) for x in (dense_k, dense_v))
+    out = dense_prefill(q.reshape(n, num_kv * group, dim), k_run, v_run, chunk, scale, window)
+    return out.view(n, num_kv, group, dim)
 
 
 def _query_blocks(mask: torch.Tensor, dense_mask: torch.Tensor | None, dtype: torch.dtype,

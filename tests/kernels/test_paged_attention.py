@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from slipstream.attention import reference
-from slipstream.backends.cpu.attention import attend, dense_attention, dense_decode
+from slipstream.attention.metadata import PrefillChunk
+from slipstream.backends.cpu.attention import attend, dense_attention, dense_decode, dense_prefill
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu import abi, build
@@ -123,6 +124,21 @@ def test_a_tokens_attention_does_not_depend_on_how_its_prompt_was_chunked(isa, w
     meta = step_metadata([n], [n], [table.tolist()], slots)
     ref = reference.paged_attention(q, k, v, cache, meta, 0.125, window)
     assert (outputs[0].float() - ref.float()).abs().max() < 0.02
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256)])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("length,n", [(75, 30), (30, 30), (64, 16)])  # a run not of whole blocks; a first chunk
+def test_a_chunk_over_a_run_of_kv_equals_the_torch_prefill(isa, heads, kv_heads, dim, window, length, n):
+    """dense_prefill (TurboQuant's chunks over 16-bit K/V only) as reference.prefill_attention: the last n of the
+    run's tokens are the chunk's own, causal, within the window."""
+    torch.manual_seed(1)
+    q = torch.randn(n, heads, dim).bfloat16()
+    k, v = (torch.randn(kv_heads, length, dim).bfloat16() for _ in range(2))
+    chunk = PrefillChunk(0, n, length, block_table=None)
+    ours = dense_prefill(q, k, v, chunk, 0.125, window)
+    exact = reference.prefill_attention(q.float(), k.float(), v.float(), chunk, 0.125, window)
+    assert ours.dtype == torch.bfloat16 and (ours.float() - exact).abs().max() < 0.02
 
 
 @pytest.mark.parametrize("tokens", [1, 6])

@@ -110,6 +110,19 @@ def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, si
     assert (_expanded(q, k, v, cache, chunk, window) - want).abs().max() < TOL
 
 
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
+def test_a_sliding_window_inside_the_staged_one_reads_no_codes(isa, dense_dtype):
+    """Where every token a row sees is in 16 bits (Gemma 3's sliding layers stage their whole window), the chunk
+    attends over those tokens in channels: nothing is expanded, and the torch path's answer comes out."""
+    q, k, v, cache, chunk = staged_second_chunk(20, 4, dense_dtype, 70)
+
+    def no_codes(*args):
+        raise AssertionError("expanded codes that no row reads")
+
+    want = turboquant._prefill(q, k, v, cache, chunk, 0.125, 12)
+    assert (_expanded(q, k, v, cache, chunk, 12, expand=no_codes) - want).abs().max() < TOL
+
+
 def test_the_backend_sends_long_chunks_to_the_expanded_path(isa):
     """At EXPANDED_FROM_ROWS rows the prefill kernel answers with the expanded path's bits; below, with the tiles'."""
     for n in (EXPANDED_FROM_ROWS, EXPANDED_FROM_ROWS - 1):

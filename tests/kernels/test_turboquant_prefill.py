@@ -15,9 +15,9 @@ import itertools
 import pytest
 import torch
 
-from slipstream.attention import turboquant
+from slipstream.attention import reference, turboquant
 from slipstream.attention.metadata import PrefillChunk
-from slipstream.backends.cpu.attention import (_turboquant, turboquant_decode, turboquant_prefill,
+from slipstream.backends.cpu.attention import (_turboquant, dense_prefill, turboquant_decode, turboquant_prefill,
                                                turboquant_prefill_tiles)
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
@@ -143,6 +143,12 @@ def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, si
 
 
 def test_the_backend_routes_prefill_chunks_over_codes_to_the_kernel(isa):
+    """Chunks over codes to the kernels; attention over 16-bit K/V alone where the bf16 cache's prefill goes."""
     cache, _ = _filled("tq3", [3], 4, 1)
-    bound = CpuBackend(CpuCapability.detect()).attention(cache)
-    assert bound.keywords == {"decode_kernel": turboquant_decode, "prefill_kernel": turboquant_prefill}
+    backend = CpuBackend(CpuCapability.detect())
+    dense = dense_prefill if backend.every_query_native else reference.prefill_attention
+    bound = backend.attention(cache)
+    assert bound.keywords.keys() == {"decode_kernel", "prefill_kernel", "dense_prefill"}
+    assert bound.keywords["decode_kernel"] is turboquant_decode and bound.keywords["dense_prefill"] is dense
+    assert bound.keywords["prefill_kernel"].func is turboquant_prefill
+    assert bound.keywords["prefill_kernel"].keywords == {"dense": dense}

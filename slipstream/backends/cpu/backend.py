@@ -18,7 +18,8 @@ from torch import nn
 
 from slipstream.attention import reference, turboquant
 from slipstream.backends.base import AttentionImpl
-from slipstream.backends.cpu.attention import dense_attention, dense_decode, turboquant_decode, turboquant_prefill
+from slipstream.backends.cpu.attention import (dense_attention, dense_decode, dense_prefill, turboquant_decode,
+                                              turboquant_prefill)
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
 from slipstream.backends.cpu.gguf_linear import (DEQUANTIZE_MIN_ROWS, NativeBlocks, NativeGGUF, NativeQ8, Segmented,
@@ -77,8 +78,10 @@ class CpuBackend(ReferenceBackend):
     def attention(self, cache) -> AttentionImpl:
         if self.capability.kernels is not None:
             if isinstance(cache, TurboQuantLayerCache):
+                dense = dense_prefill if self.every_query_native else reference.prefill_attention
                 return functools.partial(turboquant.paged_attention, decode_kernel=turboquant_decode,
-                                         prefill_kernel=turboquant_prefill)
+                                         prefill_kernel=functools.partial(turboquant_prefill, dense=dense),
+                                         dense_prefill=dense)
             if isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16:
                 return dense_attention if self.every_query_native else functools.partial(reference.paged_attention,
                                                                                          decode_kernel=dense_decode)
