@@ -59,10 +59,7 @@ def dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: Pref
     k, v = (F.pad(x, (0, 0, 0, blocks * RUN_BLOCK - length)).contiguous().view(kv_heads, blocks, RUN_BLOCK, dim)
             for x in (k, v))
     tables = torch.arange(blocks).expand(n, blocks).contiguous()
-    out = _paged(q, k, v, scale, window, tables, torch.arange(length - n + 1, length + 1))
-    if out is None:
-        raise ValueError(f"paged attention declined {q.shape[1]} heads over {kv_heads}, head size {dim}")
-    return out
+    return _paged_checked(q, k, v, scale, window, tables, torch.arange(length - n + 1, length + 1))
 
 
 RUN_BLOCK = 16  # dense_prefill's block size: the caches' default
@@ -79,11 +76,7 @@ def _paged_runs(q: torch.Tensor, kv_heads: int, block_size: int, dim: int, dtype
 def attend(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     """Each query of q [T, Hq, D] over its own context in a bf16 cache that holds the step's K/V,
     as the last token of that context: [T, Hq, D]. The caller checked the shapes."""
-    out = _paged(q, cache.k, cache.v, scale, window, *query_tables(meta))
-    if out is None:
-        raise ValueError(f"paged attention declined {q.shape[1]} heads over {cache.k.shape[0]}, "
-                         f"head size {cache.k.shape[3]}")
-    return out
+    return _paged_checked(q, cache.k, cache.v, scale, window, *query_tables(meta))
 
 
 def query_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +104,15 @@ def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
                                q.shape[1], kv_heads, dim, scale)
     batch = decode_batch(q.shape[0], tables, lens)
     return out if abi.kernels().paged_decode_attention(layer, batch, q.data_ptr(), out.data_ptr()) == 0 else None
+
+
+def _paged_checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
+                   tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """`_paged` where the caller checked the shapes (`_paged_runs`): a decline is an error."""
+    out = _paged(q, k, v, scale, window, tables, lens)
+    if out is None:
+        raise ValueError(f"paged attention declined {q.shape[1]} heads over {k.shape[0]}, head size {k.shape[3]}")
+    return out
 
 
 def decode_batch(batch: int, tables: torch.Tensor, lens: torch.Tensor) -> abi.DecodeBatch:
