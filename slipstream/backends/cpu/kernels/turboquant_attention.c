@@ -59,6 +59,9 @@ static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vsplat(float x) { return _mm512_set1_ps(x); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline vec vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 static void make_decoder(Decoder *d, int bits, const float *values) {
     uint32_t offset[16];
     float table[16];
@@ -97,6 +100,9 @@ static inline float vsum(vec v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+static inline vec vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
 static void make_decoder(Decoder *d, int bits, const float *values) {
     uint32_t shift[8];
     float table[16];
@@ -128,6 +134,7 @@ static inline void vstore(float *p, vec v) { memcpy(p, v.x, sizeof v.x); }
 static inline vec vfma(vec a, vec b, vec c) { for (int j = 0; j < 8; j++) c.x[j] += a.x[j] * b.x[j]; return c; }
 static inline vec vsplat(float x) { vec v; for (int j = 0; j < 8; j++) v.x[j] = x; return v; }
 static inline float vsum(vec v) { float s = 0.f; for (int j = 0; j < 8; j++) s += v.x[j]; return s; }
+static inline vec vload_bf16(const uint16_t *p) { vec v; for (int j = 0; j < 8; j++) v.x[j] = bf16_to_float(p[j]); return v; }
 static void make_decoder(Decoder *d, int bits, const float *values) {
     (void)bits;
     memcpy(d->table, values, sizeof d->table);
@@ -362,6 +369,12 @@ static inline void load_row(const void *base, int64_t row, int dim, int bf16, fl
     }
 }
 
+// VW channels of a 16-bit window row from element `at` on (bf16 bits, or float32), as floats: the kernels' head
+// sizes are multiples of VW (layouts: every code piece is).
+static inline vec load_channels(const void *base, int64_t at, int bf16) {
+    return bf16 ? vload_bf16((const uint16_t *)base + at) : vload((const float *)base + at);
+}
+
 // Whether a query at `query` reads token `t` in 16 bits instead of codes (attention/turboquant.py, _near): its own
 // token, or one among the newest `recent` or the first `sinks` that is staged.
 static inline int read_dense(const Step *st, const int64_t *table, int64_t t, int64_t query) {
@@ -456,7 +469,7 @@ static inline __attribute__((always_inline)) void attend_block(const Step *st, i
     int width = vl->width, dim = st->dim, bs = st->block_size, h = hs->h;
     int64_t k_stride = (int64_t)st->heads * kl->bytes, v_stride = (int64_t)st->heads * vl->bytes;
     const uint8_t *k_head = st->k + (int64_t)h * kl->bytes, *v_head = st->v + (int64_t)h * vl->bytes;
-    float s[MAX_GROUP][MAX_BLOCK], row[MAX_WIDTH], v_scales[MAX_PIECES][MAX_BLOCK];
+    float s[MAX_GROUP][MAX_BLOCK], v_scales[MAX_PIECES][MAX_BLOCK];
     const int blockwise = kl->by_tokens && bs == VW;
     const uint8_t *rows[MAX_BLOCK];
     const void *dense_v[MAX_BLOCK];
@@ -495,12 +508,15 @@ static inline __attribute__((always_inline)) void attend_block(const Step *st, i
             k_base = st->staged_k;
             dense_v[nd] = st->staged_v;
         }
-        load_row(k_base, index, dim, st->bf16, row);
-        for (int g = 0; g < group; g++) {
-            float dot = 0.f;
-            for (int d = 0; d < dim; d++) dot += hs->q_channels[g * dim + d] * row[d];
-            s[g][n + nd] = (dot - hs->mean_score[g]) * st->scale;
+        // straight from the row into registers, not through a float copy on the stack (one sequence of 192 tokens,
+        // tq3's window of 144 + 4, one thread, Zen 4: 0.053 -> 0.047 ms a layer, kv_kernels.py --recent)
+        vec dot[MAX_GROUP];
+        for (int g = 0; g < group; g++) dot[g] = vzero();
+        for (int d = 0; d < dim; d += VW) {
+            vec x = load_channels(k_base, index * dim + d, st->bf16);
+            for (int g = 0; g < group; g++) dot[g] = vfma(vload(hs->q_channels + g * dim + d), x, dot[g]);
         }
+        for (int g = 0; g < group; g++) s[g][n + nd] = (vsum(dot[g]) - hs->mean_score[g]) * st->scale;
         dense_row[nd++] = index;
     }
     if (!n && !nd) return;
@@ -517,11 +533,14 @@ static inline __attribute__((always_inline)) void attend_block(const Step *st, i
             for (int d = 0; d < dim; d++) hs->dense[g * dim + d] *= correction[g];
         }
     accumulate_rows(vl, rows, n, s, v_scales, group, hs->acc);
-    for (int r = 0; r < nd; r++) {
-        load_row(dense_v[r], dense_row[r], dim, st->bf16, row);
-        for (int g = 0; g < group; g++)
-            for (int d = 0; d < dim; d++) hs->dense[g * dim + d] += s[g][n + r] * row[d];
-    }
+    for (int r = 0; r < nd; r++)
+        for (int d = 0; d < dim; d += VW) {
+            vec x = load_channels(dense_v[r], dense_row[r] * dim + d, st->bf16);
+            for (int g = 0; g < group; g++) {
+                float *sum = hs->dense + g * dim + d;
+                vstore(sum, vfma(vsplat(s[g][n + r]), x, vload(sum)));
+            }
+        }
 }
 
 // The cache lines of a whole block, every KV head's rows: what a task over several heads reads next.
