@@ -52,11 +52,6 @@ static inline __m512 odd_step(const uint16_t *pairs) {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(pairs), _mm512_set1_epi32((int)0xFFFF0000)));
 }
 
-static inline __m512 widen16(const uint16_t *bf16) {  // 16 consecutive bf16 -> float32
-    __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bf16));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
-
 static inline void store_bf16(uint16_t *dst, __m512 v) {  // round to nearest even
     __m512i bits = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));

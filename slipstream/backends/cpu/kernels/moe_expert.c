@@ -35,11 +35,6 @@
 // L1 block of activations, +2-5% prefill (A/B, three runs).
 #define MC 144
 
-static inline __m512 widen(const uint16_t *bf16) {  // 16 bf16 -> float32: the bits move to the top half
-    __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bf16));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
-
 // Tokens of one block widened and laid token-major, xp[k][TB], zero past `count`: 16 tokens x
 // 16 K-steps at a time through a register transpose.
 static void pack_tokens(const uint16_t *x, int64_t h, const int64_t *tokens, int64_t count, float *xp) {
@@ -47,7 +42,7 @@ static void pack_tokens(const uint16_t *x, int64_t h, const int64_t *tokens, int
         for (int64_t k = 0; k < h; k += 16) {
             __m512 r[16];
             for (int i = 0; i < 16; i++)
-                r[i] = g * 16 + i < count ? widen(x + tokens[g * 16 + i] * h + k) : _mm512_setzero_ps();
+                r[i] = g * 16 + i < count ? widen16(x + tokens[g * 16 + i] * h + k) : _mm512_setzero_ps();
             transpose16(r);
             for (int i = 0; i < 16; i++) _mm512_storeu_ps(xp + (k + i) * TB + 16 * g, r[i]);
         }
@@ -56,7 +51,7 @@ static void pack_tokens(const uint16_t *x, int64_t h, const int64_t *tokens, int
 // rows[i] (i < mr) widened 16 K-steps at a time: wp[K/16][mr][16].
 static void pack_rows(const uint16_t *const *rows, int mr, int64_t k, float *wp) {
     for (int64_t kb = 0; kb < k / 16; kb++)
-        for (int i = 0; i < mr; i++) _mm512_storeu_ps(wp + (kb * mr + i) * 16, widen(rows[i] + kb * 16));
+        for (int i = 0; i < mr; i++) _mm512_storeu_ps(wp + (kb * mr + i) * 16, widen16(rows[i] + kb * 16));
 }
 
 // c[i][16v..] (+)= sum over kc steps of wp row i times tokens 16v..16v+15 of xp. mr and nv are

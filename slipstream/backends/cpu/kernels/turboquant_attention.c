@@ -59,9 +59,7 @@ static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vsplat(float x) { return _mm512_set1_ps(x); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-static inline vec vload_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+static inline vec vload_bf16(const uint16_t *p) { return widen16(p); }
 static void make_decoder(Decoder *d, int bits, const float *values) {
     uint32_t offset[16];
     float table[16];

@@ -1,8 +1,9 @@
-// AVX-512 helpers shared by kernels: a vectorised exp, silu(gate) * up and gelu(gate) * up, and a 16 x 16 transpose
-// of 32-bit lanes.
+// AVX-512 helpers shared by kernels: 16 bf16 widened to float32, a vectorised exp, silu(gate) * up and gelu(gate) * up,
+// and a 16 x 16 transpose of 32-bit lanes.
 #pragma once
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <stdint.h>
 
 static inline __m512 exp512(__m512 x) {  // Cephes expf: 2^n * p(r), |r| <= ln2/2
     x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-103.f));
@@ -18,6 +19,11 @@ static inline __m512 exp512(__m512 x) {  // Cephes expf: 2^n * p(r), |r| <= ln2/
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 widen16(const uint16_t *bf16) {  // 16 consecutive bf16 -> float32: the bits move to the top half
+    __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bf16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
 }
 
 static inline __m512 silu_times(__m512 gate, __m512 up) {
