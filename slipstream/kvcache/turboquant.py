@@ -181,13 +181,14 @@ class TurboQuantizer:
     @functools.cached_property
     def encode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What `quantize` computes with, for native encoders: int32 (groups, 5) = (dim, mse bits, QJL,
-        norm correction, norm bytes), and float32 per group, back to back: rotation (dim x dim), centroids and
-        boundaries (mse bits > 0), residual_to_sketch (QJL)."""
+        norm correction, norm bytes), and float32 per group, back to back: the rotation transposed (dim x dim:
+        y = x @ it, row by row as the encoders read it), centroids and boundaries (mse bits > 0), residual_to_sketch
+        (QJL)."""
         info, constants = [], []
         for group in self._groups:
             c = group._constants.cpu
             info.append([group.dim, group.mse_bits, int(group.qjl), int(group.norm_correction), group.norm_bytes])
-            constants += [c["rotation"].flatten()]
+            constants += [c["rotation"].T.flatten()]
             constants += [c["centroids"], c["boundaries"]] if group.mse_bits else []
             constants += [c["residual_to_sketch"].flatten()] if group.qjl else []
         return torch.tensor(info, dtype=torch.int32), torch.cat(constants).float().contiguous()

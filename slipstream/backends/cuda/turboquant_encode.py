@@ -80,8 +80,8 @@ def _encode_group(x, mean, scale, order, constants, slots, rows, num_tokens, cha
         sigma = tl.load(scale + head * D + channel, mask=j_ok, other=1.0)
         xv = tl.where(mask, xv / sigma[None, :], 0.0)
     square = j_ok[:, None] & j_ok[None, :]
-    rotation = tl.load(constants + rotation_at + j[:, None] * DG + j[None, :], mask=square, other=0.0)
-    y = _dot(xv, tl.trans(rotation), INTERPRETED)  # x @ R.T
+    rotation_t = tl.load(constants + rotation_at + j[:, None] * DG + j[None, :], mask=square, other=0.0)
+    y = _dot(xv, rotation_t, INTERPRETED)  # x @ R.T
     norm = tl.sqrt(tl.sum(y * y, 1))
     unit = y / tl.maximum(norm, 1.1754943508222875e-38)[:, None]
     row = (tl.load(slots + t, mask=t_ok, other=0) * HK + head) * NBYTES + byte_start

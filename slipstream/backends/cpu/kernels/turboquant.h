@@ -49,8 +49,8 @@ typedef struct {
                                 // (TurboQuantLayerCache.scaled_keys; values: scaled_values, no mean)
     const int64_t *order;       // NULL, or [heads, dim]: the channel order per head (outlier group first)
     const int32_t *group_info;  // [count, 5]: dim, mse bits, qjl, norm correction, norm bytes
-    const float *constants;     // per group its rotation (dim x dim), centroids, boundaries, and for QJL its
-                                // residual-to-sketch matrix (dim x dim), back to back
+    const float *constants;     // per group its rotation transposed (dim x dim), centroids, boundaries, and for
+                                // QJL its residual-to-sketch matrix (dim x dim), back to back
     const int64_t *slots;       // [tokens]
     uint8_t *cache;
     int64_t tokens;

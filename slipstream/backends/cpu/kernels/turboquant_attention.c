@@ -373,13 +373,6 @@ static inline vec load_channels(const void *base, int64_t at, int bf16) {
     return bf16 ? vload_bf16((const uint16_t *)base + at) : vload((const float *)base + at);
 }
 
-// Whether a query at `query` reads token `t` in 16 bits instead of codes (attention/turboquant.py, _near): its own
-// token, or one among the newest `recent` or the first `sinks` that is staged.
-static inline int read_dense(const Step *st, const int64_t *table, int64_t t, int64_t query) {
-    return st->staging_of && (t == query || ((t > query - st->recent || t < st->sinks) &&
-                                             st->staging_of[table[t / st->block_size]] >= 0));
-}
-
 // The largest of x[0..n) and init, in four independent chains (one chain waited on each compare's latency; the
 // compiler vectorizes no float max without -ffast-math).
 static inline float max_of(const float *x, int n, float init) {
@@ -443,12 +436,24 @@ static inline void prefetch_block(const uint8_t *k_head, const uint8_t *v_head, 
     }
 }
 
-// A block of a decode task: its first token, where its rows are, which of its tokens the query sees, and whether any
-// of them is among the newest `recent` or the first `sinks` (most blocks are not).
+// A block of a decode task: its first token, where its rows are, which of its tokens the query sees, and where the
+// window keeps it (staged: its staging slot, or -1 when it is not staged or none of its tokens is among the newest
+// `recent` or the first `sinks`: most blocks).
 typedef struct {
-    int64_t first, slot0;
-    int lo, hi, near;
+    int64_t first, slot0, staged;
+    int lo, hi;
 } Block;
+
+// Whether the query, the last of `end` tokens, reads token `t` of block b in 16 bits instead of codes
+// (attention/turboquant.py, _near): its own token, or a staged one among the newest `recent` or the first `sinks`.
+static inline int read_dense(const Step *st, const Block *b, int64_t t, int64_t end) {
+    return t == end - 1 || (b->staged >= 0 && (t >= end - st->recent || t < st->sinks));
+}
+
+// Whether it reads every token of b it sees so: then b's codes are neither read nor prefetched.
+static inline int all_dense(const Step *st, const Block *b, int64_t end) {
+    return b->staged >= 0 && (b->first + b->lo >= end - st->recent || b->first + b->hi <= st->sinks);
+}
 
 // One KV head's running state in a decode task: its G query heads' queries (q [G][k_width] in key code space,
 // q_channels [G][dim] as given), online-softmax maxima and sums, and the unnormalised sums (acc [G][v_width] in value
@@ -460,9 +465,8 @@ typedef struct {
 } HeadState;
 
 // One block of one KV head: scores, the online-softmax step and the weighted value sums.
-static inline __attribute__((always_inline)) void attend_block(const Step *st, int group, int64_t own,
-                                                               const int64_t *table, int64_t end, const Block *b,
-                                                               const HeadState *hs) {
+static inline __attribute__((always_inline)) void attend_block(const Step *st, int group, int64_t own, int64_t end,
+                                                               const Block *b, const HeadState *hs) {
     const Layout *kl = &st->keys, *vl = &st->values;
     int width = vl->width, dim = st->dim, bs = st->block_size, h = hs->h;
     int64_t k_stride = (int64_t)st->heads * kl->bytes, v_stride = (int64_t)st->heads * vl->bytes;
@@ -473,17 +477,19 @@ static inline __attribute__((always_inline)) void attend_block(const Step *st, i
     const void *dense_v[MAX_BLOCK];
     int64_t dense_row[MAX_BLOCK];
     int n = 0, nd = 0;  // tokens read from codes (s[][0..n), rows) and in 16 bits (s[][n..n+nd), dense_*)
+    const int near = st->staging_of && (b->staged >= 0 || b->first + bs >= end);
+    const int codes = !all_dense(st, b, end);
 #if VW == 16
-    if (blockwise) score_block(kl, k_head + b->slot0 * k_stride, k_stride, hs->q, group, st->scale, s);
-    if (blockwise && !b->near && b->lo == 0 && b->hi == bs) {  // most blocks: every token from codes, in order
+    if (blockwise && codes) score_block(kl, k_head + b->slot0 * k_stride, k_stride, hs->q, group, st->scale, s);
+    if (blockwise && !near && b->lo == 0 && b->hi == bs) {  // most blocks: every token from codes, in order
         for (int t = 0; t < bs; t++) rows[t] = v_head + (b->slot0 + t) * v_stride;
         block_scales(vl, rows[0], v_stride, v_scales);
         n = bs;
     }
     else
 #endif
-    for (int t = b->lo; t < b->hi; t++) {
-        if (b->near && read_dense(st, table, b->first + t, end - 1)) continue;
+    for (int t = b->lo; codes && t < b->hi; t++) {
+        if (near && read_dense(st, b, b->first + t, end)) continue;
         float scores[MAX_GROUP];  // s[g][t] moves to s[g][n], n <= t
         if (blockwise)
             for (int g = 0; g < group; g++) scores[g] = s[g][t];
@@ -495,14 +501,14 @@ static inline __attribute__((always_inline)) void attend_block(const Step *st, i
         for (int p = 0; p < vl->count; p++) v_scales[p][n] = piece_scale(&vl->pieces[p], rows[n]);
         n++;
     }
-    for (int t = b->lo; b->near && t < b->hi; t++) {
+    for (int t = b->lo; near && t < b->hi; t++) {
         int64_t pos = b->first + t;
-        if (!read_dense(st, table, pos, end - 1)) continue;
+        if (!read_dense(st, b, pos, end)) continue;
         const void *k_base = st->own_k;
         int64_t index = own * st->heads + h;
         dense_v[nd] = st->own_v;
         if (pos != end - 1) {
-            index = (st->staging_of[table[pos / bs]] * bs + t) * st->heads + h;
+            index = (b->staged * bs + t) * st->heads + h;
             k_base = st->staged_k;
             dense_v[nd] = st->staged_v;
         }
@@ -531,20 +537,40 @@ static inline __attribute__((always_inline)) void attend_block(const Step *st, i
             for (int d = 0; d < dim; d++) hs->dense[g * dim + d] *= correction[g];
         }
     accumulate_rows(vl, rows, n, s, v_scales, group, hs->acc);
-    for (int r = 0; r < nd; r++)
-        for (int d = 0; d < dim; d += VW) {
+    // channels outer, rows inner: the sums stay in registers over the block's 16-bit rows
+    for (int d = 0; nd && d < dim; d += VW) {
+        vec sum[MAX_GROUP];
+        for (int g = 0; g < group; g++) sum[g] = vload(hs->dense + g * dim + d);
+        for (int r = 0; r < nd; r++) {
             vec x = load_channels(dense_v[r], dense_row[r] * dim + d, st->bf16);
-            for (int g = 0; g < group; g++) {
-                float *sum = hs->dense + g * dim + d;
-                vstore(sum, vfma(vsplat(s[g][n + r]), x, vload(sum)));
-            }
+            for (int g = 0; g < group; g++) sum[g] = vfma(vsplat(s[g][n + r]), x, sum[g]);
         }
+        for (int g = 0; g < group; g++) vstore(hs->dense + g * dim + d, sum[g]);
+    }
+}
+
+// The block from token `first` on of a task over tokens [start, end).
+static inline Block block(const Step *st, const int64_t *table, int64_t first, int64_t start, int64_t end) {
+    int64_t bs = st->block_size, staged = st->staging_of && (first < st->sinks || first + bs > end - st->recent)
+                                              ? st->staging_of[table[first / bs]] : -1;
+    return (Block){first, table[first / bs] * bs, staged, first < start ? (int)(start - first) : 0,
+                   end - first < bs ? (int)(end - first) : (int)bs};
 }
 
 // The cache lines of a whole block, every KV head's rows: what a task over several heads reads next.
 static inline void prefetch_lines(const uint8_t *k, int64_t k_bytes, const uint8_t *v, int64_t v_bytes) {
     for (int64_t i = 0; i < k_bytes; i += 64) __builtin_prefetch(k + i);
     for (int64_t i = 0; i < v_bytes; i += 64) __builtin_prefetch(v + i);
+}
+
+// The 16-bit rows of KV heads [h0, h0 + heads) that a staged block keeps in the window, K and V: the window is as
+// scattered as the blocks (a staging slot per block), so the prefetchers miss it as they miss the codes (one
+// sequence of 192 tokens, tq3's window, one thread, Zen 4: most of the kernel's samples sat on those rows' loads).
+static inline void prefetch_staged(const Step *st, int64_t slot, int h0, int heads) {
+    int64_t head = (int64_t)st->dim * (st->bf16 ? 2 : 4), row = st->heads * head;
+    int64_t at = slot * st->block_size * row + h0 * head;
+    const uint8_t *k = st->staged_k, *v = st->staged_v;
+    for (int t = 0; t < st->block_size; t++, at += row) prefetch_lines(k + at, heads * head, v + at, heads * head);
 }
 
 // KV heads [h0, h0 + heads) of one sequence's single query row, walking its blocks once: each block's rows of
@@ -575,18 +601,19 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
                 mean_score[v] += q_channels[v * dim + d] * st->key_mean[(int64_t)(h0 + v / group) * dim + d];
     }
     for (int64_t first = start - start % bs; first < end; first += bs) {
-        Block b = {first, table[first / bs] * bs, first < start ? (int)(start - first) : 0,
-                   end - first < bs ? (int)(end - first) : bs,
-                   st->staging_of && (first < st->sinks || first + bs > end - st->recent || first + bs >= end)};
+        Block b = block(st, table, first, start, end);
         if (first + PREFETCH * bs < end) {
-            int64_t ahead = table[first / bs + PREFETCH] * bs;
-            if (heads == 1)
+            Block next = block(st, table, first + PREFETCH * bs, start, end);
+            int64_t ahead = next.slot0;
+            int codes = !all_dense(st, &next, end);
+            if (next.staged >= 0) prefetch_staged(st, next.staged, h0, heads);
+            if (codes && heads == 1)
                 prefetch_block(st->k + (int64_t)h0 * kl->bytes, st->v + (int64_t)h0 * vl->bytes, ahead, bs, k_stride,
                                v_stride, kl->bytes, vl->bytes);
-            else
+            else if (codes)
                 prefetch_lines(st->k + ahead * k_stride, bs * k_stride, st->v + ahead * v_stride, bs * v_stride);
         }
-        for (int i = 0; i < heads; i++) attend_block(st, group, own, table, end, &b, &hs[i]);
+        for (int i = 0; i < heads; i++) attend_block(st, group, own, end, &b, &hs[i]);
     }
     for (int v = 0; v < vectors; v++) {
         float inv = l[v] > 0.f ? 1.f / l[v] : 0.f;

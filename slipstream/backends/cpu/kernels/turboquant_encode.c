@@ -10,7 +10,6 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "turboquant.h"
@@ -88,10 +87,6 @@ static uint8_t *encode_group(const Group *g, const float *x, uint8_t *dst) {
     return dst + g->norm_bytes;
 }
 
-static void free_rotations(Group *groups, int count) {
-    for (int i = 0; i < count; i++) free((void *)groups[i].rotation_t);
-}
-
 // Read by backends/cpu/abi.py, which checks its mirror of the struct against it.
 const int32_t sizeof_TurboQuantEncode = sizeof(TurboQuantEncode);
 
@@ -112,11 +107,7 @@ int turboquant_encode(const TurboQuantEncode *e) {
         g->qjl = group_info[5 * i + 2];
         g->norm_correction = group_info[5 * i + 3];
         g->norm_bytes = group_info[5 * i + 4];
-        float *rotation_t = malloc(sizeof(float) * g->dim * g->dim);
-        if (!rotation_t) return free_rotations(groups, i), -1;
-        for (int r = 0; r < g->dim; r++)
-            for (int c = 0; c < g->dim; c++) rotation_t[c * g->dim + r] = constants[r * g->dim + c];
-        g->rotation_t = rotation_t;
+        g->rotation_t = constants;
         constants += g->dim * g->dim;
         g->centroids = constants;
         constants += g->mse_bits ? 1 << g->mse_bits : 0;
@@ -140,6 +131,5 @@ int turboquant_encode(const TurboQuantEncode *e) {
         for (int i = 0, start = 0; i < count; start += groups[i].dim, i++)
             dst = encode_group(&groups[i], row + start, dst);
     }
-    free_rotations(groups, count);
     return 0;
 }
