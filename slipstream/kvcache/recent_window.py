@@ -46,10 +46,11 @@ class Staging:
                  device: torch.device):
         self.tokens, self.sinks, self.block_size, self.num_staging = recent_tokens, sink_tokens, block_size, num_staging
         self.sink_blocks = math.ceil(sink_tokens / block_size)
-        # decided on the host (the plan), published to `staging_of` for the reads and kernels: planning never reads
-        # the device back, and a step's reads see the plan of the steps before it (see assign)
-        self.host_staging_of = torch.full((num_blocks,), -1, dtype=torch.long)
-        self.published = self.host_staging_of.clone()  # what the reads see, on the host
+        # decided on the host (the plan, a list: a step's planning is a few list lookups, where tensor ops on a
+        # handful of tokens cost ~0.2 ms a decode step), published to `staging_of` for the reads and kernels:
+        # planning never reads the device back, and a step's reads see the plan of the steps before it (see assign)
+        self.host_staging_of = [-1] * num_blocks
+        self.published = torch.full((num_blocks,), -1, dtype=torch.long)  # what the reads see, on the host
         self.staging_of = self.published if device.type == "cpu" else self.published.to(device)
         # this step's (token, staged row) pairs, mirrored before each layer's attention and after it
         self.none = (torch.empty(0, dtype=torch.long, device=device),) * 2
@@ -81,43 +82,46 @@ class Staging:
         """
         self._publish()
         self._clock += 1
-        for staging in self.host_staging_of[active_blocks].tolist():
-            if staging >= 0:
-                self._last_use[staging] = self._clock
-        blocks = slot_mapping // self.block_size
-        block_ids = blocks.tolist()
-        for i in (slot_mapping % self.block_size == 0).nonzero().flatten().tolist():
-            self._restage(block_ids[i], in_window[i])
-        staging = self.host_staging_of[blocks]
+        plan = self.host_staging_of
+        for block in active_blocks:
+            if plan[block] >= 0:
+                self._last_use[plan[block]] = self._clock
+        slots = slot_mapping.tolist()
+        blocks = [slot // self.block_size for slot in slots]
+        for i, slot in enumerate(slots):
+            if slot % self.block_size == 0:
+                self._restage(blocks[i], in_window[i])
+        staging = [plan[block] for block in blocks]
         if not defer:
-            self.writes, self.late_writes = self._pairs(slot_mapping, staging), self.none
+            self.writes, self.late_writes = self._pairs(slots, staging), self.none
             self._publish()
             return
-        late = staging != self.published[blocks]
-        self.writes = self._pairs(slot_mapping, torch.where(late, -1, staging))
-        self.late_writes = self._pairs(slot_mapping, torch.where(late, staging, -1))
+        seen = self.published[blocks].tolist()
+        self.writes = self._pairs(slots, [s if s == p else -1 for s, p in zip(staging, seen)])
+        self.late_writes = self._pairs(slots, [s if s != p else -1 for s, p in zip(staging, seen)])
 
-    def _pairs(self, slot_mapping: torch.Tensor, staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pairs(self, slots: list[int], staging: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(token, staged row) of the tokens with a staging block, on the device."""
-        tokens = (staging >= 0).nonzero().flatten()
-        rows = staging[tokens] * self.block_size + slot_mapping[tokens] % self.block_size
-        device = self.staging_of.device
+        tokens = [i for i, s in enumerate(staging) if s >= 0]
+        rows = torch.tensor([staging[i] * self.block_size + slots[i] % self.block_size for i in tokens],
+                            dtype=torch.long)
+        tokens, device = torch.tensor(tokens, dtype=torch.long), self.staging_of.device
         return tokens.to(device, non_blocking=True), rows.to(device, non_blocking=True)
 
     def _publish(self) -> None:
         """The plan's changes since the last publication, into the staging the reads see."""
         if self._changed:
             changed = torch.tensor(self._changed)
-            self.published[changed] = self.host_staging_of[changed]
+            planned = torch.tensor([self.host_staging_of[block] for block in self._changed])
+            self.published[changed] = planned
             if self.staging_of is not self.published:
                 device = self.staging_of.device
-                self.staging_of[changed.to(device, non_blocking=True)] = self.host_staging_of[changed].to(
-                    device, non_blocking=True)
+                self.staging_of[changed.to(device, non_blocking=True)] = planned.to(device, non_blocking=True)
             self._changed = []
 
     def _restage(self, block: int, wanted: bool) -> None:
         """A block starts over at offset 0: give it staging if it is wanted, else drop any."""
-        staging = int(self.host_staging_of[block])
+        staging = self.host_staging_of[block]
         if staging >= 0 and not wanted:
             self._block_of[staging], self._last_use[staging] = -1, -1
             self._place(block, -1)

@@ -87,7 +87,8 @@ def test_a_reused_block_drops_its_stale_staging():
     k = torch.randn(8, KV_HEADS, DIM)
     meta = _step([], [("a", 0, 8)])  # blocks 3, 7; both in a 6-token window of position 7
     turboquant.paged_attention(torch.randn(8, HEADS, DIM), k, k, cache, meta, SCALE)
-    assert cache.window.staging.host_staging_of[[3, 7]].tolist() != [-1, -1]  # the plan, which reads see next step
+    planned = cache.window.staging.host_staging_of
+    assert [planned[3], planned[7]] != [-1, -1]  # the plan, which reads see next step
     TABLES["c"] = [3, 11, 4]  # block 3 reused at index 0, out of the window of position 11
     try:
         meta = _step([], [("c", 0, 12)])
@@ -95,8 +96,7 @@ def test_a_reused_block_drops_its_stale_staging():
                                    torch.randn(12, KV_HEADS, DIM), cache, meta, SCALE)
     finally:
         del TABLES["c"]
-    planned = cache.window.staging.host_staging_of
-    assert planned[3] == -1 and (planned[[11, 4]] >= 0).all()
+    assert planned[3] == -1 and planned[11] >= 0 and planned[4] >= 0
 
 
 def test_chunks_read_their_whole_window_in_16_bits_from_a_pool_sized_for_decode():
