@@ -58,7 +58,7 @@ def fill(layers: list[TurboQuantLayerCache], tables: torch.Tensor, lens: torch.T
     last as a decode step (its staging placed as the steps before it left it, as the decode kernel then reads it)."""
     length = int(lens[0])
     positions = torch.arange(length)
-    slots = (tables[:, positions // BLOCK] * BLOCK + positions % BLOCK)  # [B, L]
+    slots = tables[:, positions // BLOCK] * BLOCK + positions % BLOCK  # [B, L]
     steps = [(slots[:, :-1].flatten(), length - 1, 0), (slots[:, -1], 1, len(lens))]
     for step_slots, new, decodes in steps:
         ends = [length - 1 if decodes == 0 else length] * len(lens)

@@ -151,7 +151,8 @@ def test_kernel_reads_only_each_sequence_blocks(isa):
 @pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0)])
 @pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 12])
-@pytest.mark.parametrize("block_size,lens", [(4, [37, 9]), (16, [90, 9])])  # 16: whole blocks between the windows
+# 16 x 90: whole blocks between the windows; 16 x 24: the sinks and the recent window meet inside block 0
+@pytest.mark.parametrize("block_size,lens", [(4, [37, 9]), (16, [90, 9]), (16, [24, 9])])
 def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, threads, recent, sinks, dense_dtype, window,
                                                                   block_size, lens):
     """With 16-bit windows the kernel reads staged tokens (and the query's own) in 16 bits, the rest from codes."""

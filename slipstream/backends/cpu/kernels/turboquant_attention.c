@@ -132,7 +132,11 @@ static inline void vstore(float *p, vec v) { memcpy(p, v.x, sizeof v.x); }
 static inline vec vfma(vec a, vec b, vec c) { for (int j = 0; j < 8; j++) c.x[j] += a.x[j] * b.x[j]; return c; }
 static inline vec vsplat(float x) { vec v; for (int j = 0; j < 8; j++) v.x[j] = x; return v; }
 static inline float vsum(vec v) { float s = 0.f; for (int j = 0; j < 8; j++) s += v.x[j]; return s; }
-static inline vec vload_bf16(const uint16_t *p) { vec v; for (int j = 0; j < 8; j++) v.x[j] = bf16_to_float(p[j]); return v; }
+static inline vec vload_bf16(const uint16_t *p) {
+    vec v;
+    for (int j = 0; j < 8; j++) v.x[j] = bf16_to_float(p[j]);
+    return v;
+}
 static void make_decoder(Decoder *d, int bits, const float *values) {
     (void)bits;
     memcpy(d->table, values, sizeof d->table);
@@ -361,10 +365,7 @@ static inline void load_row(const void *base, int64_t row, int dim, int bf16, fl
         return;
     }
     const uint16_t *src = (const uint16_t *)base + row * dim;
-    for (int d = 0; d < dim; d++) {
-        uint32_t u = (uint32_t)src[d] << 16;
-        memcpy(dst + d, &u, sizeof(float));
-    }
+    for (int d = 0; d < dim; d++) dst[d] = bf16_to_float(src[d]);
 }
 
 // VW channels of a 16-bit window row from element `at` on (bf16 bits, or float32), as floats: the kernels' head
@@ -450,9 +451,12 @@ static inline int read_dense(const Step *st, const Block *b, int64_t t, int64_t 
     return t == end - 1 || (b->staged >= 0 && (t >= end - st->recent || t < st->sinks));
 }
 
-// Whether it reads every token of b it sees so: then b's codes are neither read nor prefetched.
+// Whether it reads every token of b it sees so (none of them lies between the sinks and the recent window): then
+// b's codes are neither read nor prefetched.
 static inline int all_dense(const Step *st, const Block *b, int64_t end) {
-    return b->staged >= 0 && (b->first + b->lo >= end - st->recent || b->first + b->hi <= st->sinks);
+    int64_t from = b->first + b->lo > st->sinks ? b->first + b->lo : st->sinks;
+    int64_t to = b->first + b->hi < end - st->recent ? b->first + b->hi : end - st->recent;
+    return b->staged >= 0 && from >= to;
 }
 
 // One KV head's running state in a decode task: its G query heads' queries (q [G][k_width] in key code space,
