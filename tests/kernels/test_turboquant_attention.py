@@ -58,7 +58,8 @@ def _decode_step(kv_dtype: str, lens: list[int], num_heads: int, kv_heads: int, 
 def _kernel_threads(count: int):
     """The kernel's threads (torch's): a decode task takes every KV head of its sequence unless the longest
     sequence is more than a thread's share of the step, so 1 thread runs a task per sequence in these tests and
-    4 one per KV head."""
+    4 one per KV head; with fewer tasks than 4 threads, long sequences are split into parts (part_limit in
+    kernels/turboquant_attention.c: [1, 17, 100, 16, 250] at 4 threads splits the 100 and 250)."""
     before = torch.get_num_threads()
     torch.set_num_threads(count)
     try:
@@ -99,12 +100,22 @@ def test_kernel_equals_torch_code_path_and_dequantize_then_attend(isa, threads, 
 
 
 def test_a_task_per_sequence_or_per_kv_head_gives_the_same_bits(isa):
-    q, cache, meta = _decode_step("tq3", [1, 17, 100, 16, 250], 9, 3)
+    q, cache, meta = _decode_step("tq3", [1, 17, 100, 16, 250, 30], 9, 3)  # 18 tasks at 4 threads: none split
     outputs = []
     for count in (1, 4):  # a task per sequence, a task per KV head
         with _kernel_threads(count):
             outputs.append(_kernel_decode(q, cache, meta, None))
     assert torch.equal(*outputs)
+
+
+@pytest.mark.parametrize("num_heads,kv_heads", [(9, 3), (4, 1)])
+@pytest.mark.parametrize("window", [None, 200])
+def test_one_sequence_split_over_two_threads_equals_the_torch_path(isa, num_heads, kv_heads, window):
+    """One sequence's tasks (one per KV head) leave a thread idle: its tokens are split into parts whose sums
+    merge (at 2 threads, each KV head's 300 tokens, or the window's 200, in 2 parts cut at a block edge)."""
+    q, cache, meta = _decode_step("tq3", [300], num_heads, kv_heads)
+    with _kernel_threads(2):
+        assert (_kernel_decode(q, cache, meta, window) - _torch_decode(q, cache, meta, window)).abs().max() < TOL
 
 
 def test_kernel_on_every_key_value_split(isa):

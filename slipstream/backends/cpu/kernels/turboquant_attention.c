@@ -9,10 +9,12 @@
 //
 // A sequence with one query row (decode) is one task per KV head, or one for all its KV heads when there are
 // sequences enough to keep the threads busy (heads_per_task): it rotates each head's G query heads into code space,
-// walks the sequence's own blocks once with an online softmax in float32, and rotates the G sums back. Each code
-// row is decoded once per task, VW codes per step (with AVX-512 a broadcast load, a multishift and an in-register
-// table lookup), and shared by the G query heads; nothing is padded or dequantized to the original space. With
-// AVX-512, keys of 2- or 4-bit pieces are scored a block at a time, the block's 16 rows as the lanes (score_block).
+// walks the sequence's own blocks once with an online softmax in float32, and rotates the G sums back. Where those
+// tasks are too few to keep every thread busy, a sequence's tokens are split into parts, each a task, whose sums
+// the last to finish merges (part_limit). Each code row is decoded once per task, VW codes per step (with AVX-512
+// a broadcast load, a multishift and an in-register table lookup), and shared by the G query heads; nothing is
+// padded or dequantized to the original space. With AVX-512, keys of 2- or 4-bit pieces are scored a block at a
+// time, the block's 16 rows as the lanes (score_block).
 // A sequence with several rows (a prefill chunk over a cached prefix, or tokens to verify) is split into tiles of up
 // to MAX_VECTORS query vectors (rows x heads), each a task that walks the blocks once: a decoded row is scored
 // against every vector of the tile at once (the vectors are the SIMD lanes: a small matrix product per token, no
@@ -553,12 +555,20 @@ static inline __attribute__((always_inline)) void attend_block(const Step *st, i
     }
 }
 
-// The block from token `first` on of a task over tokens [start, end).
-static inline Block block(const Step *st, const int64_t *table, int64_t first, int64_t start, int64_t end) {
-    int64_t bs = st->block_size, staged = st->staging_of && (first < st->sinks || first + bs > end - st->recent)
-                                              ? st->staging_of[table[first / bs]] : -1;
-    return (Block){first, table[first / bs] * bs, staged, first < start ? (int)(start - first) : 0,
-                   end - first < bs ? (int)(end - first) : (int)bs};
+// The tokens a decode task reads: [start, stop) of a sequence of `end` tokens whose last is the query, through
+// the sequence's block table. stop < end: one part of a sequence split over several tasks (attend_decode).
+typedef struct {
+    const int64_t *table;
+    int64_t start, stop, end;
+} Tokens;
+
+// The block from token `first` on of a task over `tk`.
+static inline Block block(const Step *st, const Tokens *tk, int64_t first) {
+    int64_t bs = st->block_size, slot = tk->table[first / bs];
+    int window = st->staging_of && (first < st->sinks || first + bs > tk->end - st->recent);
+    return (Block){first, slot * bs, window ? st->staging_of[slot] : -1,
+                   first < tk->start ? (int)(tk->start - first) : 0,
+                   tk->stop - first < bs ? (int)(tk->stop - first) : (int)bs};
 }
 
 // The cache lines of a whole block, every KV head's rows: what a task over several heads reads next.
@@ -581,11 +591,12 @@ static inline void prefetch_staged(const Step *st, int64_t slot, int h0, int hea
 // every head are read while in cache (one task per head read each block's lines once per head). `own` is the row
 // of the query's own token in DenseTokens' own_k/own_v. Per head, q [group][k_width] in key code space and
 // q_channels [group][dim] as given, in head order; writes the normalised sums, in value code space to sums
-// [heads][group][v_width] and of 16-bit tokens to dense [heads][group][dim].
+// [heads][group][v_width] and of 16-bit tokens to dense [heads][group][dim], and (lse not NULL) each query
+// head's log of the softmax's denominator to lse [heads][group], by which parts of a split sequence merge.
 static inline __attribute__((always_inline)) void attend_one(const Step *st, int group, int64_t own, int h0,
                                                              int heads, const float *q, const float *q_channels,
-                                                             const int64_t *table, int64_t start, int64_t end,
-                                                             float *sums, float *dense) {
+                                                             const Tokens *tk, float *sums, float *dense,
+                                                             float *lse) {
     const Layout *kl = &st->keys, *vl = &st->values;
     int width = vl->width, dim = st->dim, bs = st->block_size, vectors = heads * group;
     int64_t k_stride = (int64_t)st->heads * kl->bytes, v_stride = (int64_t)st->heads * vl->bytes;
@@ -604,12 +615,12 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
             for (int d = 0; d < dim; d++)
                 mean_score[v] += q_channels[v * dim + d] * st->key_mean[(int64_t)(h0 + v / group) * dim + d];
     }
-    for (int64_t first = start - start % bs; first < end; first += bs) {
-        Block b = block(st, table, first, start, end);
-        if (first + PREFETCH * bs < end) {
-            Block next = block(st, table, first + PREFETCH * bs, start, end);
+    for (int64_t first = tk->start - tk->start % bs; first < tk->stop; first += bs) {
+        Block b = block(st, tk, first);
+        if (first + PREFETCH * bs < tk->stop) {
+            Block next = block(st, tk, first + PREFETCH * bs);
             int64_t ahead = next.slot0;
-            int codes = !all_dense(st, &next, end);
+            int codes = !all_dense(st, &next, tk->end);
             if (next.staged >= 0) prefetch_staged(st, next.staged, h0, heads);
             if (codes && heads == 1)
                 prefetch_block(st->k + (int64_t)h0 * kl->bytes, st->v + (int64_t)h0 * vl->bytes, ahead, bs, k_stride,
@@ -617,23 +628,24 @@ static inline __attribute__((always_inline)) void attend_one(const Step *st, int
             else if (codes)
                 prefetch_lines(st->k + ahead * k_stride, bs * k_stride, st->v + ahead * v_stride, bs * v_stride);
         }
-        for (int i = 0; i < heads; i++) attend_block(st, group, own, end, &b, &hs[i]);
+        for (int i = 0; i < heads; i++) attend_block(st, group, own, tk->end, &b, &hs[i]);
     }
     for (int v = 0; v < vectors; v++) {
         float inv = l[v] > 0.f ? 1.f / l[v] : 0.f;
         for (int d = 0; d < width; d++) sums[v * width + d] = acc[v * width + d] * inv;
         for (int d = 0; d < dim; d++) dense[v * dim + d] *= inv;
+        if (lse) lse[v] = l[v] > 0.f ? m[v] + logf(l[v]) : -INFINITY;
     }
 }
 
-typedef void AttendFn(const Step *, int64_t, int, int, const float *, const float *, const int64_t *, int64_t,
-                      int64_t, float *, float *);
+typedef void AttendFn(const Step *, int64_t, int, int, const float *, const float *, const Tokens *, float *, float *,
+                      float *);
 
 // One copy per common group size (GQA 3 of SmolLM2, MQA 4 of Gemma 3, ...) with `group` a constant; one generic.
 #define ATTEND_FOR(G)                                                                                             \
     static void attend_##G(const Step *st, int64_t own, int h0, int heads, const float *q, const float *q_channels, \
-                           const int64_t *table, int64_t start, int64_t end, float *sums, float *dense) {         \
-        attend_one(st, G, own, h0, heads, q, q_channels, table, start, end, sums, dense);                         \
+                           const Tokens *tk, float *sums, float *dense, float *lse) {                            \
+        attend_one(st, G, own, h0, heads, q, q_channels, tk, sums, dense, lse);                                   \
     }
 ATTEND_FOR(1)
 ATTEND_FOR(2)
@@ -641,8 +653,8 @@ ATTEND_FOR(3)
 ATTEND_FOR(4)
 
 static void attend_group(const Step *st, int64_t own, int h0, int heads, const float *q, const float *q_channels,
-                         const int64_t *table, int64_t start, int64_t end, float *sums, float *dense) {
-    attend_one(st, st->group, own, h0, heads, q, q_channels, table, start, end, sums, dense);
+                         const Tokens *tk, float *sums, float *dense, float *lse) {
+    attend_one(st, st->group, own, h0, heads, q, q_channels, tk, sums, dense, lse);
 }
 
 // A tile's query vectors (rows x group heads, row-major) against KV head h: each vector's position and first
@@ -899,13 +911,11 @@ typedef struct {
     int64_t end, rows, row0;
 } Sequence;
 
-// Rows [first, first + count) of a sequence against KV heads [h0, h0 + heads): one query row on the per-group path
-// (any number of heads), several as a tile (one head). q, out: [rows, kv_heads, group, dim].
-static void attend_rows(const TurboQuantAttention *a, const Step *st, AttendFn *attend, const Sequence *seq,
-                        int64_t first, int count, int h0, int heads, const float *q, float *out) {
-    int group = a->group, dim = a->dim, k_width = a->keys.width, v_width = a->values.width;
-    float rotated[MAX_VECTORS * MAX_WIDTH], channels[MAX_VECTORS * MAX_WIDTH / 2];
-    float sums[MAX_VECTORS * MAX_WIDTH / 2], dense[MAX_VECTORS * MAX_WIDTH / 2];
+// Rows [first, first + count) of a sequence, KV heads [h0, h0 + heads), of q [rows, kv_heads, group, dim]: in key
+// code space (rotated [count][heads][group][k_width]) and as given (channels [count][heads][group][dim]).
+static void queries_in(const TurboQuantAttention *a, const Sequence *seq, int64_t first, int count, int h0,
+                       int heads, const float *q, float *rotated, float *channels) {
+    int group = a->group, dim = a->dim, k_width = a->keys.width;
     for (int r = 0; r < count; r++)
         for (int i = 0, h = h0; i < heads; i++, h++) {
             const float *row = q + ((seq->row0 + first + r) * a->kv_heads + h) * group * dim;
@@ -913,21 +923,13 @@ static void attend_rows(const TurboQuantAttention *a, const Step *st, AttendFn *
             matmul(row, a->to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated + at * k_width);
             memcpy(channels + at * dim, row, sizeof(float) * group * dim);
         }
-    if (seq->rows == 1) {
-        int64_t start = a->window > 0 && seq->end > a->window ? seq->end - a->window : 0;
-        attend(st, seq->row0, h0, heads, rotated, channels, seq->table, start, seq->end, sums, dense);
-    } else {
-        Tile tile = {.h = h0, .table = seq->table, .own_from = seq->end - seq->rows, .own_row = seq->row0};
-        int n = count * group;  // padding vectors: zero queries
-        memset(rotated + n * k_width, 0, sizeof(float) * (MAX_VECTORS - n) * k_width);
-        memset(channels + n * dim, 0, sizeof(float) * (MAX_VECTORS - n) * dim);
-        for (int v = 0; v < MAX_VECTORS; v++) {
-            int64_t pos = v < n ? tile.own_from + first + v / group : -1;
-            tile.qpos[v] = pos;
-            tile.from[v] = a->window > 0 && pos >= a->window ? pos - a->window + 1 : 0;
-        }
-        attend_tile(st, &tile, rotated, channels, sums, dense);
-    }
+}
+
+// Their normalised sums, in value code space (sums [count][heads][group][v_width]) and of 16-bit tokens (dense, the
+// same order, [dim] each), rotated back into out [rows, kv_heads, group, dim].
+static void sums_out(const TurboQuantAttention *a, const Sequence *seq, int64_t first, int count, int h0, int heads,
+                     const float *sums, const float *dense, float *out) {
+    int group = a->group, dim = a->dim, v_width = a->values.width;
     for (int r = 0; r < count; r++)
         for (int i = 0, h = h0; i < heads; i++, h++) {
             float *row = out + ((seq->row0 + first + r) * a->kv_heads + h) * group * dim;
@@ -935,6 +937,51 @@ static void attend_rows(const TurboQuantAttention *a, const Step *st, AttendFn *
             matmul(sums + at * v_width, a->back + (int64_t)h * v_width * dim, group, v_width, dim, row);
             for (int j = 0; j < group * dim; j++) row[j] += dense[at * dim + j];
         }
+}
+
+// Rows [first, first + count) of a sequence with several (a prefill chunk, tokens to verify), as one tile against
+// KV head h.
+static void attend_tile_rows(const TurboQuantAttention *a, const Step *st, const Sequence *seq, int64_t first,
+                             int count, int h, const float *q, float *out) {
+    int group = a->group, dim = a->dim, k_width = a->keys.width;
+    float rotated[MAX_VECTORS * MAX_WIDTH], channels[MAX_VECTORS * MAX_WIDTH / 2];
+    float sums[MAX_VECTORS * MAX_WIDTH / 2], dense[MAX_VECTORS * MAX_WIDTH / 2];
+    queries_in(a, seq, first, count, h, 1, q, rotated, channels);
+    Tile tile = {.h = h, .table = seq->table, .own_from = seq->end - seq->rows, .own_row = seq->row0};
+    int n = count * group;  // padding vectors: zero queries
+    memset(rotated + n * k_width, 0, sizeof(float) * (MAX_VECTORS - n) * k_width);
+    memset(channels + n * dim, 0, sizeof(float) * (MAX_VECTORS - n) * dim);
+    for (int v = 0; v < MAX_VECTORS; v++) {
+        int64_t pos = v < n ? tile.own_from + first + v / group : -1;
+        tile.qpos[v] = pos;
+        tile.from[v] = a->window > 0 && pos >= a->window ? pos - a->window + 1 : 0;
+    }
+    attend_tile(st, &tile, rotated, channels, sums, dense);
+    sums_out(a, seq, first, count, h, 1, sums, dense, out);
+}
+
+// Sequences of several query rows (a->query_start): a task per tile of up to MAX_VECTORS / group rows and KV head.
+static int attend_chunks(const TurboQuantAttention *a, const Step *st, const DecodeBatch *batch, const float *q,
+                         float *out) {
+    const int64_t *starts = a->query_start;
+    int per_tile = MAX_VECTORS / a->group;
+    int64_t tiles = 0;
+    for (int64_t b = 0; b < batch->batch; b++) tiles += (starts[b + 1] - starts[b] + per_tile - 1) / per_tile;
+    int64_t (*task)[2] = malloc(sizeof(*task) * (tiles ? tiles : 1));  // (sequence, first row) of each tile
+    if (!task) return -1;
+    for (int64_t b = 0, i = 0; b < batch->batch; b++)
+        for (int64_t first = 0; first < starts[b + 1] - starts[b]; first += per_tile, i++)
+            task[i][0] = b, task[i][1] = first;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(batch->threads)
+    for (int64_t i = 0; i < tiles; i++)
+        for (int h = 0; h < a->kv_heads; h++) {
+            int64_t b = task[i][0], rows = starts[b + 1] - starts[b];
+            Sequence seq = {batch->block_tables + b * batch->max_blocks, batch->context_lens[b], rows, starts[b]};
+            int count = rows - task[i][1] < per_tile ? (int)(rows - task[i][1]) : per_tile;
+            attend_tile_rows(a, st, &seq, task[i][1], count, h, q, out);
+        }
+    free(task);
+    return 0;
 }
 
 // KV heads per decode task: all of a sequence's, so that each block's cache lines are read once and not once per
@@ -947,6 +994,189 @@ static int heads_per_task(const DecodeBatch *batch, int kv_heads, int group) {
         total += batch->context_lens[b];
     }
     return kv_heads * group <= MAX_GROUP && longest * batch->threads <= total ? kv_heads : 1;
+}
+
+// A decode task: sequence b's tokens [start, stop), against `heads` KV heads. A sequence split into `parts` > 1
+// tasks keeps their sums in Parts at [first_part, first_part + parts), this task's at `part`.
+typedef struct {
+    int64_t b, start, stop, first_part, part;
+    int parts;
+} DecodeTask;
+
+// The sums of split sequences' parts until the last of a sequence's parts to finish merges them: per part, KV head
+// and query head, the normalised sums (sums [v_width], dense [dim]) and the log of the softmax's denominator
+// (lse); per first part and KV head, how many of those parts have finished.
+typedef struct {
+    float *sums, *dense, *lse;
+    int *done;
+} Parts;
+
+#define MIN_PART 4  // blocks: the fewest a part reads (each part rotates its queries into code space again)
+// A token read in 16 bits against one read from codes: with parts cut by token count alone, one sequence of 4,096
+// tokens with tq3's window kept one thread ~20% longer than the other (the part with the window), about 4 to 1.
+#define DENSE_COST 4
+
+// The first token a decode query sees.
+static int64_t first_visible(const TurboQuantAttention *a, const DecodeBatch *batch, int64_t b) {
+    int64_t end = batch->context_lens[b];
+    return a->window > 0 && end > a->window ? end - a->window : 0;
+}
+
+// What reading tokens [from, to) of a sequence of `end` costs a decode task, in tokens read from codes: the window's
+// (the first `sinks`, the newest `recent`) are read in 16 bits.
+static int64_t cost(const Step *st, int64_t from, int64_t to, int64_t end) {
+    if (!st->staging_of) return to - from;
+    int64_t sinks_end = to < st->sinks ? to : st->sinks;
+    sinks_end = sinks_end > from ? sinks_end : from;  // [from, sinks_end): sinks
+    int64_t recent = end - st->recent > sinks_end ? end - st->recent : sinks_end;  // [recent, to): the newest
+    return to - from + (DENSE_COST - 1) * (sinks_end - from + (to > recent ? to - recent : 0));
+}
+
+// Sequence b's decode tasks: parts that cost at most about `limit` each, cut at block edges, written to task
+// (unless NULL) with their sums at Parts' first_part on; returns how many.
+static int64_t decode_tasks(const TurboQuantAttention *a, const Step *st, const DecodeBatch *batch, int64_t b,
+                            int64_t limit, int64_t first_part, DecodeTask *task) {
+    int64_t start = first_visible(a, batch, b), end = batch->context_lens[b], bs = a->block_size;
+    int64_t whole = cost(st, start, end, end), parts = whole <= limit ? 1 : (whole + limit - 1) / limit, n = 0;
+    if (parts == 1) {
+        if (task) *task = (DecodeTask){b, start, end, -1, -1, 1};
+        return 1;
+    }
+    for (int64_t from = start, edge = start - start % bs + bs; from < end; edge += bs)
+        if (edge >= end || cost(st, start, edge, end) * parts >= whole * (n + 1)) {  // part n's share reached
+            if (task) task[n] = (DecodeTask){b, from, edge < end ? edge : end, first_part, first_part + n, 0};
+            from = edge, n++;
+        }
+    for (int64_t i = 0; task && i < n; i++) task[i].parts = (int)n;
+    return n;
+}
+
+// When the step's tasks, handed out in order to whichever thread is free, would finish (in cost) with parts of at
+// most `limit`.
+static int64_t finish(const TurboQuantAttention *a, const Step *st, const DecodeBatch *batch, int heads,
+                      int64_t limit, int64_t *load) {
+    int64_t last = 0;
+    memset(load, 0, sizeof(int64_t) * batch->threads);
+    for (int64_t b = 0; b < batch->batch; b++) {
+        int64_t end = batch->context_lens[b], whole = cost(st, first_visible(a, batch, b), end, end);
+        int64_t parts = whole <= limit ? 1 : (whole + limit - 1) / limit;
+        for (int64_t i = 0; i < parts * (a->kv_heads / heads); i++) {
+            int idle = 0;
+            for (int t = 1; t < batch->threads; t++) idle = load[t] < load[idle] ? t : idle;
+            load[idle] += whole / parts * heads;
+            last = load[idle] > last ? load[idle] : last;
+        }
+    }
+    return last;
+}
+
+// The most a decode task costs (cost). A task per sequence and KV head group can leave threads idle for most of
+// the step (one sequence on SmolLM2's 3 KV heads is 3 tasks for 2 threads, one on Gemma 3's single KV head 1):
+// then sequences are split into parts of at most 1/k of a thread's even share, k the least of 1..4 that finishes
+// within 10% of the even share. The parts' sums merge by their denominators, so a split sequence's attention
+// differs from the unsplit one in rounding.
+static int64_t part_limit(const TurboQuantAttention *a, const Step *st, const DecodeBatch *batch, int heads) {
+    int threads = batch->threads, groups = a->kv_heads / heads;
+    int64_t total = 0, bs = a->block_size, best = INT64_MAX, best_finish = INT64_MAX;
+    if (threads < 2 || batch->batch * groups >= 4 * threads) return INT64_MAX;  // tasks enough to even out
+    int64_t *load = malloc(sizeof(int64_t) * threads);
+    if (!load) return INT64_MAX;
+    for (int64_t b = 0; b < batch->batch; b++)
+        total += cost(st, first_visible(a, batch, b), batch->context_lens[b], batch->context_lens[b]) * a->kv_heads;
+    for (int k = 0; k <= 4; k++) {
+        int64_t limit = k ? total / ((int64_t)k * threads * heads) : INT64_MAX;
+        limit = limit > MIN_PART * bs ? limit : MIN_PART * bs;
+        int64_t last = finish(a, st, batch, heads, limit, load);
+        if (last < best_finish) best = limit, best_finish = last;
+        if (last * 10 * threads <= total * 11) break;
+    }
+    free(load);
+    return best;
+}
+
+// The parts of t's sequence merged for KV heads [h0, h0 + heads): each part's normalised sums weighted by its share
+// of the whole softmax's denominator, the parts in order (the same bits whichever part finished last).
+static void merge_parts(const TurboQuantAttention *a, const Parts *p, const DecodeTask *t, int h0, int heads,
+                        float *sums, float *dense) {
+    int width = a->values.width, dim = a->dim;
+    int64_t step = (int64_t)a->kv_heads * a->group;  // from a part's vector to the next part's
+    for (int v = 0; v < heads * a->group; v++) {
+        int64_t first = (t->first_part * a->kv_heads + h0) * a->group + v;
+        float top = -INFINITY, total = 0.f;
+        for (int i = 0; i < t->parts; i++) top = p->lse[first + i * step] > top ? p->lse[first + i * step] : top;
+        memset(sums + v * width, 0, sizeof(float) * width);
+        memset(dense + v * dim, 0, sizeof(float) * dim);
+        for (int i = 0; i < t->parts && top > -INFINITY; i++) {
+            int64_t at = first + i * step;
+            float w = expf(p->lse[at] - top);
+            total += w;
+            for (int d = 0; d < width; d++) sums[v * width + d] += w * p->sums[at * width + d];
+            for (int d = 0; d < dim; d++) dense[v * dim + d] += w * p->dense[at * dim + d];
+        }
+        float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int d = 0; d < width; d++) sums[v * width + d] *= inv;
+        for (int d = 0; d < dim; d++) dense[v * dim + d] *= inv;
+    }
+}
+
+// One decode task over KV heads [h0, h0 + heads): a whole sequence's attention written out, or one part's sums
+// kept, the last part of the sequence to finish merging them and writing them out.
+static void decode_task(const TurboQuantAttention *a, const Step *st, AttendFn *attend, const DecodeBatch *batch,
+                        const DecodeTask *t, int h0, int heads, const Parts *parts, const float *q, float *out) {
+    int group = a->group, dim = a->dim, v_width = a->values.width;
+    float rotated[MAX_GROUP * MAX_WIDTH], channels[MAX_GROUP * MAX_WIDTH / 2];
+    float sums[MAX_GROUP * MAX_WIDTH / 2], dense[MAX_GROUP * MAX_WIDTH / 2];
+    Sequence seq = {batch->block_tables + t->b * batch->max_blocks, batch->context_lens[t->b], 1, t->b};
+    Tokens tk = {seq.table, t->start, t->stop, seq.end};
+    queries_in(a, &seq, 0, 1, h0, heads, q, rotated, channels);
+    if (t->parts == 1) {
+        attend(st, t->b, h0, heads, rotated, channels, &tk, sums, dense, NULL);
+        sums_out(a, &seq, 0, 1, h0, heads, sums, dense, out);
+        return;
+    }
+    int64_t v0 = (t->part * a->kv_heads + h0) * group;
+    attend(st, t->b, h0, heads, rotated, channels, &tk, parts->sums + v0 * v_width, parts->dense + v0 * dim,
+           parts->lse + v0);
+    // acquire and release: the last to count sees every other part's sums
+    if (__atomic_add_fetch(parts->done + t->first_part * a->kv_heads + h0, 1, __ATOMIC_ACQ_REL) < t->parts) return;
+    merge_parts(a, parts, t, h0, heads, sums, dense);
+    sums_out(a, &seq, 0, 1, h0, heads, sums, dense, out);
+}
+
+// One query row per sequence: a task per sequence, or part of one (part_limit), and KV head group.
+static int attend_decode(const TurboQuantAttention *a, const Step *st, AttendFn *attend, const DecodeBatch *batch,
+                         const float *q, float *out) {
+    int kv_heads = a->kv_heads, heads = heads_per_task(batch, kv_heads, a->group);
+    int64_t limit = part_limit(a, st, batch, heads), tasks = 0, split = 0;
+    for (int64_t b = 0; b < batch->batch; b++) {
+        int64_t n = decode_tasks(a, st, batch, b, limit, 0, NULL);
+        tasks += n;
+        split += n > 1 ? n : 0;
+    }
+    int64_t vectors = split * kv_heads * a->group;
+    DecodeTask *task = malloc(sizeof(*task) * (tasks ? tasks : 1));
+    Parts parts = {0};
+    if (split) {
+        parts.sums = malloc(sizeof(float) * vectors * (a->values.width + a->dim + 1));
+        parts.dense = parts.sums + vectors * a->values.width;
+        parts.lse = parts.dense + vectors * a->dim;
+        parts.done = calloc(split * kv_heads, sizeof(int));
+    }
+    if (!task || (split && (!parts.sums || !parts.done))) {
+        free(task), free(parts.sums), free(parts.done);
+        return -1;
+    }
+    for (int64_t b = 0, i = 0, first_part = 0; b < batch->batch; b++) {
+        int64_t n = decode_tasks(a, st, batch, b, limit, first_part, task + i);
+        i += n;
+        first_part += n > 1 ? n : 0;
+    }
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(batch->threads)
+    for (int64_t i = 0; i < tasks; i++)
+        for (int h = 0; h < kv_heads; h += heads)
+            decode_task(a, st, attend, batch, &task[i], h, heads, &parts, q, out);
+    free(task), free(parts.sums), free(parts.done);
+    return 0;
 }
 
 // The layer's row layouts, or -1 where a shape or layout is beyond this kernel.
@@ -978,32 +1208,9 @@ int turboquant_paged_attention(const TurboQuantAttention *a, const DecodeBatch *
                .own_v = tokens->own_v, .bf16 = tokens->bf16, .recent = tokens->recent, .sinks = tokens->sinks,
                .key_mean = tokens->key_mean};
     if (layouts(a, &st.keys, &st.values)) return -1;
-    int group = a->group, kv_heads = a->kv_heads;
     AttendFn *const specialised[] = {attend_group, attend_1, attend_2, attend_3, attend_4};
-    AttendFn *attend = specialised[group <= 4 ? group : 0];
-    const int64_t *starts = a->query_start;
-    int per_tile = MAX_VECTORS / group;
-    int64_t tiles = 0;
-    for (int64_t b = 0; b < batch->batch; b++)
-        tiles += starts ? (starts[b + 1] - starts[b] + per_tile - 1) / per_tile : 1;
-    int64_t (*task)[2] = malloc(sizeof(*task) * (tiles ? tiles : 1));  // (sequence, first row) of each tile
-    if (!task) return -1;
-    for (int64_t b = 0, i = 0; b < batch->batch; b++)
-        for (int64_t first = 0; first < (starts ? starts[b + 1] - starts[b] : 1); first += per_tile, i++)
-            task[i][0] = b, task[i][1] = first;
-    int heads = starts ? 1 : heads_per_task(batch, kv_heads, group);
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(batch->threads)
-    for (int64_t i = 0; i < tiles; i++) {
-        for (int h = 0; h < kv_heads; h += heads) {
-            int64_t b = task[i][0], rows = starts ? starts[b + 1] - starts[b] : 1;
-            Sequence seq = {batch->block_tables + b * batch->max_blocks, batch->context_lens[b], rows,
-                            starts ? starts[b] : b};
-            int count = rows - task[i][1] < per_tile ? (int)(rows - task[i][1]) : per_tile;
-            attend_rows(a, &st, attend, &seq, task[i][1], count, h, heads, q, out);
-        }
-    }
-    free(task);
-    return 0;
+    if (a->query_start) return attend_chunks(a, &st, batch, q, out);
+    return attend_decode(a, &st, specialised[a->group <= 4 ? a->group : 0], batch, q, out);
 }
 
 // The first `length` tokens of one sequence (block table `table`) as code-space rows, out [heads][length][width],
