@@ -1,7 +1,7 @@
 """Decode attention alone: the TurboQuant kernel against the bf16 cache's paged kernel, in one run.
 
-SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head size 64), `--batch` sequences of `--length`
-tokens, one query each, as a decode step of the engine's decode stack calls the kernels. Each dtype gets `--layers`
+SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head size 64; `--shapes gemma3`: Gemma 3 270M's, 4
+query heads on one KV head of 256), `--batch` sequences of `--length` tokens, one query each, as a decode step of the engine's decode stack calls the kernels. Each dtype gets `--layers`
 caches of random codes, called in turn, so that a layer's cache has left the CPU's caches when it is read again, as
 in a step over every layer; blocks are handed out in order, as the engine's block manager does on a fresh cache
 (`--shuffled`: in a random order, as after much freeing and reuse). With `--recent R --sinks S` (the default names'
@@ -12,7 +12,7 @@ torch's OpenMP threads; `--threads 1 --clock cpu` on a shared machine). The engi
 kv_speed.py's "batch 16 x 4k" and "one short" rows.
 
     python benchmarks/kv_kernels.py [--batch 16] [--length 4096] [--dtypes tq4 tq3 tq2.5] [--threads 2]
-                                    [--recent 0 --sinks 0] [--clock wall|cpu]
+                                    [--recent 0 --sinks 0] [--shapes smollm2|gemma3] [--clock wall|cpu]
 """
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.kvcache.recent_window import Staging, staging_blocks
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
-HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}  # query heads, KV heads, head size
+HEADS, KV_HEADS, DIM = SHAPES["smollm2"]
+BLOCK = 16
 SCALE = DIM ** -0.5
 clock = time.perf_counter
 
@@ -109,11 +111,14 @@ def main() -> None:
     parser.add_argument("--shuffled", action="store_true")
     parser.add_argument("--recent", type=int, default=0, help="newest tokens of each sequence in 16 bits")
     parser.add_argument("--sinks", type=int, default=0, help="first tokens of each sequence in 16 bits")
+    parser.add_argument("--shapes", choices=list(SHAPES), default="smollm2")
     timing.add_arguments(parser)
     parser.set_defaults(threads=2)
     args = parser.parse_args()
-    global clock
+    global clock, HEADS, KV_HEADS, DIM, SCALE
     clock = timing.clock_of(args)
+    HEADS, KV_HEADS, DIM = SHAPES[args.shapes]
+    SCALE = DIM ** -0.5
     if abi.kernels() is None:
         raise SystemExit("no native kernels on this machine (SLIPSTREAM_NATIVE=0, or no C compiler)")
     torch.manual_seed(0)
