@@ -8,6 +8,7 @@ Rows (the dtypes alternated within each of --repeats rounds; medians; the models
 - batch 16 x 4k: 16 sequences of 4,096 prompt tokens on SmolLM2 decoding together: tok/s over the steps in which
   all of them decode (the first round prefills and is not counted; later rounds hit the prefix cache);
 - batch 4 x 16k: the same with 4 sequences of 16,384 tokens on Gemma 3 270M (its global layers read it all);
+- one 16k, Gemma 3: one such sequence alone, a single user's long context;
 - one short: one sequence of 128 prompt tokens on SmolLM2 (TurboQuant must not cost where memory is plenty).
 
     python benchmarks/kv_speed.py [--rows "prefill 8k" ...] [--dtypes bfloat16 tq4 tq3 tq2.5] [--repeats 3]
@@ -28,7 +29,8 @@ from slipstream import LLM, SamplingParams
 # row: (model, sequences, prompt tokens, decode tokens timed)
 ROWS = {"prefill 8k": ("smollm2-135m", 1, 8000, 0), "prefill 8k, Gemma 3": ("gemma3-270m", 1, 8000, 0),
         "batch 16 x 4k": ("smollm2-135m", 16, 4096, 32),
-        "batch 4 x 16k": ("gemma3-270m", 4, 16384, 32), "one short": ("smollm2-135m", 1, 128, 64)}
+        "batch 4 x 16k": ("gemma3-270m", 4, 16384, 32), "one 16k, Gemma 3": ("gemma3-270m", 1, 16384, 32),
+        "one short": ("smollm2-135m", 1, 128, 64)}
 DTYPES = ["bfloat16", "tq4", "tq3", "tq2.5"]
 KV_MEMORY = 2 * 2**30  # the bf16 cache holds 16 x 4k on SmolLM2 and 4 x 16k on Gemma 3
 clock = time.perf_counter
