@@ -1,16 +1,16 @@
 """Decode attention alone: the TurboQuant kernel against the bf16 cache's paged kernel, in one run.
 
-SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head size 64; `--shapes gemma3`: Gemma 3 270M's, 4
-query heads on one KV head of 256), `--batch` sequences of `--length` tokens, one query each, as a decode step of
-the engine's decode stack calls the kernels. Each dtype gets `--layers` caches of random codes, called in turn, so
-that a layer's cache has left the CPU's caches when it is read again, as in a step over every layer; blocks are
-handed out in order, as the engine's block manager does on a fresh cache (`--shuffled`: in a random order, as after
-much freeing and reuse). With `--recent R --sinks S` (the default names'
-windows, e.g. tq3's 144 and 4) each TurboQuant layer also keeps every sequence's newest R and first S tokens in
-16 bits, staged as the engine stages them (one `Staging` for all layers), and the kernel reads those there. A figure
-is the median over `--repeats` passes over every layer, per layer, at `--threads` (wall clock: the kernels run on
-torch's OpenMP threads; `--threads 1 --clock cpu` on a shared machine). The engine's view of the same question is
-kv_speed.py's "batch 16 x 4k" and "one short" rows.
+SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head size 64; `--shapes gemma3`: Gemma 3 270M's, 4 query
+heads on one KV head of 256), `--batch` sequences of `--length` tokens, one query each, as a decode step of the
+engine's decode stack calls the kernels. Each dtype gets `--layers` caches of random codes, called in turn, so that
+a layer's cache has left the CPU's caches when it is read again, as in a step over every layer; blocks are handed
+out in order, as the engine's block manager does on a fresh cache (`--shuffled`: in a random order, as after much
+freeing and reuse). With `--recent R --sinks S` (the default names' windows, e.g. tq3's 144 and 4) each TurboQuant
+layer also keeps every sequence's newest R and first S tokens in 16 bits, staged as the engine stages them (one
+`Staging` for all layers), and the kernel reads those there. A figure is the median over `--repeats` passes over
+every layer, per layer, at `--threads` (wall clock: the kernels run on torch's OpenMP threads; `--threads 1 --clock
+cpu` on a shared machine). The engine's view of the same question is kv_speed.py's "batch 16 x 4k" and "one short"
+rows.
 
     python benchmarks/kv_kernels.py [--batch 16] [--length 4096] [--dtypes tq4 tq3 tq2.5] [--threads 2]
                                     [--recent 0 --sinks 0] [--shapes smollm2|gemma3] [--clock wall|cpu]
