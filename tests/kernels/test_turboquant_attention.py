@@ -167,13 +167,33 @@ def test_kernel_reads_only_each_sequence_blocks(isa):
 def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, threads, recent, sinks, dense_dtype, window,
                                                                   block_size, lens):
     """With 16-bit windows the kernel reads staged tokens (and the query's own) in 16 bits, the rest from codes."""
+    q, k, v, cache, meta = _windowed_step(recent, sinks, dense_dtype, block_size, lens, 6, 2)
+    assert cache.window.exists(meta.decode_block_tables[0]).any()
+    ours = turboquant._decode(q, k, v, cache, meta, 0.125, window, turboquant_decode)
+    assert (ours - turboquant._decode(q, k, v, cache, meta, 0.125, window)).abs().max() < TOL
+
+
+@pytest.mark.parametrize("recent,length", [(64, 60), (20, 60)])
+def test_a_split_sequence_that_reads_no_code_or_some_equals_the_torch_path(isa, recent, length):
+    """One MQA sequence at 2 threads is split into parts (part_limit). Every token in the window (a Gemma 3 sliding
+    layer's case) reads no code, so no query is rotated into code space nor sums out of it; with a 20-token window
+    the first part reads codes and the last does not, and the merged sums are rotated back."""
+    q, k, v, cache, meta = _windowed_step(recent, 4, torch.bfloat16, 4, [length], 4, 1)
+    with _kernel_threads(2):
+        ours = turboquant._decode(q, k, v, cache, meta, 0.125, None, turboquant_decode)
+    assert (ours - turboquant._decode(q, k, v, cache, meta, 0.125, None)).abs().max() < TOL
+
+
+def _windowed_step(recent: int, sinks: int, dense_dtype: torch.dtype, block_size: int, lens: list[int],
+                   num_heads: int, kv_heads: int):
+    """(q, k, v, cache, meta) of a decode step after a prefill of all but each sequence's last token, so that the
+    16-bit window's staging follows the engine's rules."""
     g = torch.Generator().manual_seed(2)
-    kv_heads, num_heads = 2, 6
     cache = _cache("tq3", kv_heads, num_heads, 32, block_size, recent, sinks, dense_dtype)
     counts = [-(-n // block_size) for n in lens]
     tables = torch.tensor([list(range(sum(counts[:s]), sum(counts[:s + 1]))) + [0] * (max(counts) - counts[s])
                            for s in range(len(lens))])
-    for seq, n in enumerate(lens):  # a prefill of all but the last token, so staging follows the engine's rules
+    for seq, n in enumerate(lens):
         table = tables[seq, :counts[seq]]
         slots = table[torch.arange(n - 1) // block_size] * block_size + torch.arange(n - 1) % block_size
         meta = step_metadata([n - 1], [n - 1], table[None], slots)
@@ -181,14 +201,12 @@ def test_kernel_with_recent_and_sink_tokens_equals_the_torch_path(isa, threads, 
                                    torch.randn(n - 1, kv_heads, 64, generator=g) * 3 + 1,
                                    torch.randn(n - 1, kv_heads, 64, generator=g), cache, meta, 0.125)
     slots = torch.tensor([tables[s, (n - 1) // block_size] * block_size + (n - 1) % block_size for s, n in enumerate(lens)])
-    meta = step_metadata([1, 1], lens, tables, slots)
-    q, k, v = (torch.randn(2, h, 64, generator=g) for h in (num_heads, kv_heads, kv_heads))
+    meta = step_metadata([1] * len(lens), lens, tables, slots)
+    q, k, v = (torch.randn(len(lens), h, 64, generator=g) for h in (num_heads, kv_heads, kv_heads))
     cache.write(k, v, slots)
     turboquant.place_staging(cache.window.staging, meta)
     cache.window.write(k, v)
-    assert cache.window.exists(tables[0]).any()
-    ours = turboquant._decode(q, k, v, cache, meta, 0.125, window, turboquant_decode)
-    assert (ours - turboquant._decode(q, k, v, cache, meta, 0.125, window)).abs().max() < TOL
+    return q, k, v, cache, meta
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES + ["tq2-qjl"])

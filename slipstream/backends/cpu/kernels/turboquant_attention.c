@@ -9,9 +9,10 @@
 //
 // A sequence with one query row (decode) is one task per KV head, or one for all its KV heads when there are
 // sequences enough to keep the threads busy (heads_per_task): it rotates each head's G query heads into code space,
-// walks the sequence's own blocks once with an online softmax in float32, and rotates the G sums back. Where those
-// tasks are too few to keep every thread busy, a sequence's tokens are split into parts, each a task, whose sums
-// the last to finish merges (part_limit). Each code row is decoded once per task, VW codes per step (with AVX-512
+// walks the sequence's own blocks once with an online softmax in float32, and rotates the G sums back (neither
+// where every token it sees is in the 16-bit window: reads_codes). Where those tasks are too few to keep every
+// thread busy, a sequence's tokens are split into parts, each a task, whose sums the last to finish merges
+// (part_limit). Each code row is decoded once per task, VW codes per step (with AVX-512
 // a broadcast load, a multishift and an in-register table lookup), and shared by the G query heads; nothing is
 // padded or dequantized to the original space. With AVX-512, keys of 2- or 4-bit pieces are scored a block at a
 // time, the block's 16 rows as the lanes (score_block).
@@ -912,7 +913,8 @@ typedef struct {
 } Sequence;
 
 // Rows [first, first + count) of a sequence, KV heads [h0, h0 + heads), of q [rows, kv_heads, group, dim]: in key
-// code space (rotated [count][heads][group][k_width]) and as given (channels [count][heads][group][dim]).
+// code space (rotated [count][heads][group][k_width]; NULL where they read no code) and as given (channels
+// [count][heads][group][dim]).
 static void queries_in(const TurboQuantAttention *a, const Sequence *seq, int64_t first, int count, int h0,
                        int heads, const float *q, float *rotated, float *channels) {
     int group = a->group, dim = a->dim, k_width = a->keys.width;
@@ -920,13 +922,14 @@ static void queries_in(const TurboQuantAttention *a, const Sequence *seq, int64_
         for (int i = 0, h = h0; i < heads; i++, h++) {
             const float *row = q + ((seq->row0 + first + r) * a->kv_heads + h) * group * dim;
             int at = (r * heads + i) * group;
-            matmul(row, a->to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated + at * k_width);
+            if (rotated)
+                matmul(row, a->to_keys + (int64_t)h * dim * k_width, group, dim, k_width, rotated + at * k_width);
             memcpy(channels + at * dim, row, sizeof(float) * group * dim);
         }
 }
 
-// Their normalised sums, in value code space (sums [count][heads][group][v_width]) and of 16-bit tokens (dense, the
-// same order, [dim] each), rotated back into out [rows, kv_heads, group, dim].
+// Their normalised sums, in value code space (sums [count][heads][group][v_width]; NULL where they read no code)
+// and of 16-bit tokens (dense, the same order, [dim] each), rotated back into out [rows, kv_heads, group, dim].
 static void sums_out(const TurboQuantAttention *a, const Sequence *seq, int64_t first, int count, int h0, int heads,
                      const float *sums, const float *dense, float *out) {
     int group = a->group, dim = a->dim, v_width = a->values.width;
@@ -934,6 +937,10 @@ static void sums_out(const TurboQuantAttention *a, const Sequence *seq, int64_t 
         for (int i = 0, h = h0; i < heads; i++, h++) {
             float *row = out + ((seq->row0 + first + r) * a->kv_heads + h) * group * dim;
             int at = (r * heads + i) * group;
+            if (!sums) {
+                memcpy(row, dense + at * dim, sizeof(float) * group * dim);
+                continue;
+            }
             matmul(sums + at * v_width, a->back + (int64_t)h * v_width * dim, group, v_width, dim, row);
             for (int j = 0; j < group * dim; j++) row[j] += dense[at * dim + j];
         }
@@ -1020,6 +1027,19 @@ typedef struct {
 static int64_t first_visible(const TurboQuantAttention *a, const DecodeBatch *batch, int64_t b) {
     int64_t end = batch->context_lens[b];
     return a->window > 0 && end > a->window ? end - a->window : 0;
+}
+
+// Whether a decode task over `tk` reads any token from codes: if not (every token it sees is staged in 16 bits, as
+// in Gemma 3's sliding layers, whose 512 tokens the window holds, or a short sequence's first steps), its queries
+// are not rotated into code space nor its sums out of it. Gemma 3's rotations are 256 x 256 floats each way, read
+// again by every sequence: its shapes at 4 x 512 tokens, all in the window, two threads, Zen 4, 0.30-0.33 -> 0.23
+// ms a layer (the bf16 cache's kernel 0.22).
+static int reads_codes(const Step *st, const Tokens *tk) {
+    for (int64_t first = tk->start - tk->start % st->block_size; first < tk->stop; first += st->block_size) {
+        Block b = block(st, tk, first);
+        if (!all_dense(st, &b, tk->end)) return 1;
+    }
+    return 0;
 }
 
 // What reading tokens [from, to) of a sequence of `end` costs a decode task, in tokens read from codes: the window's
@@ -1128,10 +1148,11 @@ static void decode_task(const TurboQuantAttention *a, const Step *st, AttendFn *
     float sums[MAX_GROUP * MAX_WIDTH / 2], dense[MAX_GROUP * MAX_WIDTH / 2];
     Sequence seq = {batch->block_tables + t->b * batch->max_blocks, batch->context_lens[t->b], 1, t->b};
     Tokens tk = {seq.table, t->start, t->stop, seq.end};
-    queries_in(a, &seq, 0, 1, h0, heads, q, rotated, channels);
+    int codes = reads_codes(st, &tk);
+    queries_in(a, &seq, 0, 1, h0, heads, q, codes ? rotated : NULL, channels);
     if (t->parts == 1) {
         attend(st, t->b, h0, heads, rotated, channels, &tk, sums, dense, NULL);
-        sums_out(a, &seq, 0, 1, h0, heads, sums, dense, out);
+        sums_out(a, &seq, 0, 1, h0, heads, codes ? sums : NULL, dense, out);
         return;
     }
     int64_t v0 = (t->part * a->kv_heads + h0) * group;
@@ -1140,7 +1161,8 @@ static void decode_task(const TurboQuantAttention *a, const Step *st, AttendFn *
     // acquire and release: the last to count sees every other part's sums
     if (__atomic_add_fetch(parts->done + t->first_part * a->kv_heads + h0, 1, __ATOMIC_ACQ_REL) < t->parts) return;
     merge_parts(a, parts, t, h0, heads, sums, dense);
-    sums_out(a, &seq, 0, 1, h0, heads, sums, dense, out);
+    Tokens all = {seq.table, first_visible(a, batch, t->b), seq.end, seq.end};
+    sums_out(a, &seq, 0, 1, h0, heads, reads_codes(st, &all) ? sums : NULL, dense, out);
 }
 
 // One query row per sequence: a task per sequence, or part of one (part_limit), and KV head group.
