@@ -131,7 +131,8 @@ def staged_second_chunk(recent: int, sinks: int, dense_dtype: torch.dtype, n: in
     return q, k, v, cache, meta.prefills[0]
 
 
-@pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0), (6, 5)])
+# sliding window 12: at recent 20 the tiles read no code (and rotate nothing), at 11 each row its oldest from codes
+@pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 4), (20, 0), (6, 5), (11, 0)])
 @pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 12])
 def test_chunk_with_recent_and_sink_tokens_equals_the_torch_path(isa, recent, sinks, dense_dtype, window):

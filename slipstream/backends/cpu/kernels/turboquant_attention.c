@@ -21,7 +21,7 @@
 // against every vector of the tile at once (the vectors are the SIMD lanes: a small matrix product per token, no
 // horizontal sums), each query row causal over the chunk's own tokens (written to the cache before attention) and
 // within its own sliding window. With the recent/sink window, the tokens read in 16 bits join the same softmax
-// (attention/turboquant.py decides which, per query).
+// (attention/turboquant.py decides which, per query); a tile that reads no code rotates nothing (tile_reads_codes).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -788,8 +788,35 @@ static inline int all_codes(const Step *st, const Tile *tile, const Span *span, 
            && (!st->staging_of || (lo >= st->sinks && hi <= tile->own_from));
 }
 
-// One tile: q [MAX_VECTORS][k_width] in key code space, q_channels [MAX_VECTORS][dim] as given. Writes the
-// normalised sums: in value code space to sums [MAX_VECTORS][v_width], of 16-bit tokens to dense [MAX_VECTORS][dim].
+// Whether vector v reads any token of [lo, hi) from codes: token_kind's rule over a range (the tokens it sees, but
+// the step's own, and of a staged block the first `sinks` and the newest `recent`).
+static inline int vector_reads_codes(const Step *st, const Tile *tile, int v, int64_t lo, int64_t hi, int staged) {
+    if (tile->qpos[v] < 0) return 0;
+    int64_t from = lo > tile->from[v] ? lo : tile->from[v];
+    int64_t to = hi < tile->qpos[v] + 1 ? hi : tile->qpos[v] + 1;
+    if (st->staging_of) to = to < tile->own_from ? to : tile->own_from;
+    if (staged) {
+        from = from > st->sinks ? from : st->sinks;
+        to = to < tile->qpos[v] - st->recent + 1 ? to : tile->qpos[v] - st->recent + 1;
+    }
+    return from < to;
+}
+
+// Whether any vector of a tile reads a token from codes (as reads_codes for a decode task): if none does, as in Gemma
+// 3's sliding layers, whose window is staged whole, its queries are not rotated into code space nor its sums out.
+static int tile_reads_codes(const Step *st, const Tile *tile) {
+    Span span = tile_span(tile);
+    for (int64_t first = span.start - span.start % st->block_size; first < span.end; first += st->block_size) {
+        int staged = st->staging_of && st->staging_of[tile->table[first / st->block_size]] >= 0;
+        for (int v = 0; v < MAX_VECTORS; v++)
+            if (vector_reads_codes(st, tile, v, first, first + st->block_size, staged)) return 1;
+    }
+    return 0;
+}
+
+// One tile: q [MAX_VECTORS][k_width] in key code space (NULL where it reads no code), q_channels [MAX_VECTORS][dim]
+// as given. Writes the normalised sums: in value code space to sums [MAX_VECTORS][v_width], of 16-bit tokens to
+// dense [MAX_VECTORS][dim].
 static void attend_tile(const Step *st, const Tile *tile, const float *q, const float *q_channels, float *sums,
                         float *dense) {
     const Layout *kl = &st->keys, *vl = &st->values;
@@ -802,7 +829,7 @@ static void attend_tile(const Step *st, const Tile *tile, const float *q, const 
     unsigned char kind[MAX_BLOCK][MAX_VECTORS];
     const void *dense_v[MAX_BLOCK];
     int64_t dense_row[MAX_BLOCK];
-    for (int i = 0; i < kl->width; i++)
+    for (int i = 0; q && i < kl->width; i++)
         for (int v = 0; v < MAX_VECTORS; v++) q_t[i * MAX_VECTORS + v] = q[v * kl->width + i];
     memset(acc, 0, sizeof(float) * MAX_VECTORS * width);
     memset(dense, 0, sizeof(float) * MAX_VECTORS * dim);
@@ -953,18 +980,19 @@ static void attend_tile_rows(const TurboQuantAttention *a, const Step *st, const
     int group = a->group, dim = a->dim, k_width = a->keys.width;
     float rotated[MAX_VECTORS * MAX_WIDTH], channels[MAX_VECTORS * MAX_WIDTH / 2];
     float sums[MAX_VECTORS * MAX_WIDTH / 2], dense[MAX_VECTORS * MAX_WIDTH / 2];
-    queries_in(a, seq, first, count, h, 1, q, rotated, channels);
     Tile tile = {.h = h, .table = seq->table, .own_from = seq->end - seq->rows, .own_row = seq->row0};
     int n = count * group;  // padding vectors: zero queries
-    memset(rotated + n * k_width, 0, sizeof(float) * (MAX_VECTORS - n) * k_width);
-    memset(channels + n * dim, 0, sizeof(float) * (MAX_VECTORS - n) * dim);
     for (int v = 0; v < MAX_VECTORS; v++) {
         int64_t pos = v < n ? tile.own_from + first + v / group : -1;
         tile.qpos[v] = pos;
         tile.from[v] = a->window > 0 && pos >= a->window ? pos - a->window + 1 : 0;
     }
-    attend_tile(st, &tile, rotated, channels, sums, dense);
-    sums_out(a, seq, first, count, h, 1, sums, dense, out);
+    float *in_codes = tile_reads_codes(st, &tile) ? rotated : NULL;
+    queries_in(a, seq, first, count, h, 1, q, in_codes, channels);
+    if (in_codes) memset(rotated + n * k_width, 0, sizeof(float) * (MAX_VECTORS - n) * k_width);
+    memset(channels + n * dim, 0, sizeof(float) * (MAX_VECTORS - n) * dim);
+    attend_tile(st, &tile, in_codes, channels, sums, dense);
+    sums_out(a, seq, first, count, h, 1, in_codes ? sums : NULL, dense, out);
 }
 
 // Sequences of several query rows (a->query_start): a task per tile of up to MAX_VECTORS / group rows and KV head.
