@@ -38,7 +38,7 @@ from slipstream.kvcache.dtype import parse_kv_cache_dtype
 from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 CALIBRATION = 1024
-ROWS = ["tq4", "tq3.5", "tq3", "tq-k3v3", "tq2.5", "tq-k3v2", "tq4-codes", "tq3-codes"]  # the README's table
+ROWS = ["tq4", "tq3.5", "tq3", "tq-k3v3", "tq2.5", "tq-k3v2", "tq4-codes", "tq3-codes"]  # docs/kv-cache-dtypes.md
 CHUNK, TAIL = 64, 1024
 GEMMA_TURNS = ("{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
                "{{ m['content'] }}<end_of_turn>\n{% endfor %}")

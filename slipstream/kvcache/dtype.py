@@ -26,7 +26,7 @@ PRESETS = {"tq4": (4, 4), "tq3.5": (4, 3), "tq3": (4, 2), "tq2.5": (2.5, 2.5), "
 # Newest tokens kept in 16 bits per name (tq-k{K}v{V}: the default), and first ones: per name the most that keeps
 # it within its ratio to bf16's bytes at 8k (3.5x, 4x, 4.5x, 5x), the sinks' block included (kvcache/recent_window.py:
 # 112 is 9 staging blocks). 2-bit codes' 1-byte norms (kvcache/turboquant.py) paid for tq3's 144 and tq2.5's 128
-# (from 112 and 64): code at 8k +1.41% -> +1.14% (tq3), +3.17% -> +2.00% (tq2.5; README, KV-cache dtypes).
+# (from 112 and 64): code at 8k +1.41% -> +1.14% (tq3), +3.17% -> +2.00% (tq2.5; docs/kv-cache-dtypes.md).
 RECENT_TOKENS = {"tq4": 112, "tq3.5": 112, "tq3": 144, "tq2.5": 128}
 DEFAULT_RECENT_TOKENS, SINK_TOKENS = 64, 4
 ALLOWED = ["auto", *DENSE, *TQ_BITS, f"tq-k{{K}}v{{V}} (K, V in {', '.join(f'{b:g}' for b in TQ_BITS.values())})",
