@@ -98,5 +98,6 @@ def test_stream_options_without_stream_is_400(client, stream):
 def test_stream_options_with_stream_is_served(tiny_server):
     client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0)
     chunks = list(client.completions.create(model="tiny", prompt=[5, 6], max_tokens=2, stream=True,
-                                            stream_options={"include_usage": True}))
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))  # a sampled EOS would end it at 1
     assert chunks[-1].usage.completion_tokens == 2
