@@ -788,28 +788,15 @@ static inline int all_codes(const Step *st, const Tile *tile, const Span *span, 
            && (!st->staging_of || (lo >= st->sinks && hi <= tile->own_from));
 }
 
-// Whether vector v reads any token of [lo, hi) from codes: token_kind's rule over a range (the tokens it sees, but
-// the step's own, and of a staged block the first `sinks` and the newest `recent`).
-static inline int vector_reads_codes(const Step *st, const Tile *tile, int v, int64_t lo, int64_t hi, int staged) {
-    if (tile->qpos[v] < 0) return 0;
-    int64_t from = lo > tile->from[v] ? lo : tile->from[v];
-    int64_t to = hi < tile->qpos[v] + 1 ? hi : tile->qpos[v] + 1;
-    if (st->staging_of) to = to < tile->own_from ? to : tile->own_from;
-    if (staged) {
-        from = from > st->sinks ? from : st->sinks;
-        to = to < tile->qpos[v] - st->recent + 1 ? to : tile->qpos[v] - st->recent + 1;
-    }
-    return from < to;
-}
-
-// Whether any vector of a tile reads a token from codes (as reads_codes for a decode task): if none does, as in Gemma
-// 3's sliding layers, whose window is staged whole, its queries are not rotated into code space nor its sums out.
+// Whether any vector of a tile reads a token from codes (token_kind 1; as reads_codes for a decode task): if none
+// does, as in Gemma 3's sliding layers, whose window is staged whole, its queries are not rotated into code space nor
+// its sums out. It stops at the first such token.
 static int tile_reads_codes(const Step *st, const Tile *tile) {
     Span span = tile_span(tile);
-    for (int64_t first = span.start - span.start % st->block_size; first < span.end; first += st->block_size) {
-        int staged = st->staging_of && st->staging_of[tile->table[first / st->block_size]] >= 0;
+    for (int64_t t = span.start; t < span.end; t++) {
+        int staged = st->staging_of && st->staging_of[tile->table[t / st->block_size]] >= 0;
         for (int v = 0; v < MAX_VECTORS; v++)
-            if (vector_reads_codes(st, tile, v, first, first + st->block_size, staged)) return 1;
+            if (token_kind(st, tile, v, t, staged) == 1) return 1;
     }
     return 0;
 }
