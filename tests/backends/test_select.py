@@ -14,14 +14,16 @@ import torch
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.build import cpu_flags
 from slipstream.backends.cpu.capability import CpuCapability, usable_flags
-from slipstream.backends.cpu.linear import DOTS_MIN_ROWS
+from slipstream.backends.cpu.linear import DOTS_MIN_ROWS, OneDnnBf16, Upcast
 from slipstream.backends.cuda.backend import CudaBackend
 from slipstream.backends.reference import ReferenceBackend
 from slipstream.backends.select import select_backend
 
-AMX_FLAGS = {"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma"}
+AMX_FLAGS = {"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx512bw", "avx512vl",
+             "avx512dq", "avx2", "fma"}
 AVX512_FLAGS = AMX_FLAGS - {"amx_bf16", "amx_int8", "amx_tile"}
 NO_BF16 = AVX512_FLAGS - {"avx512_bf16"}  # AVX-512 with VNNI but no bf16 arithmetic (a cpu model 207 here)
+AVX2_FLAGS = {"avx2", "fma"}  # no AVX-512 at all (AMD Zen 3 here)
 
 
 def build(isa: str, gemm: bool, amx: bool):
@@ -40,6 +42,8 @@ CASES = {  # capability -> (backend name, what its linear, MoE and decode-stack 
              "cpu-avx2", ["float32 GEMMs above", "torch, one expert", "none"]),
     "torch-on-amx": (CpuCapability(AMX_FLAGS, None, "native", "SLIPSTREAM_NATIVE=0"),
                      "cpu-torch", ["oneDNN bf16 (AMX) above", "torch, one expert", "none"]),
+    "avx2-only": (CpuCapability(AVX2_FLAGS, build("native", False, False), "native"),
+                  "cpu-avx2", ["bf16 weights on F.linear (oneDNN cannot pack them)", "torch, one expert", "none"]),
 }
 
 
@@ -58,6 +62,8 @@ def test_each_cpu_kind_gets_its_paths_and_says_why(kind):
                                                                             "avx512": "on"}.get(kind, "none"))
     if capability.kernels is None:
         assert "no native kernels: SLIPSTREAM_NATIVE=0" in lines[0]
+    # torch's reorder for oneDNN's packed bf16 weights raises without AVX-512 BW/VL/DQ (or AVX-NE-CONVERT)
+    assert isinstance(backend.bf16, Upcast if kind == "avx2-only" else OneDnnBf16)
 
 
 @pytest.mark.parametrize("kind", ["amx", "avx512"])

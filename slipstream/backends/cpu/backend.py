@@ -53,7 +53,8 @@ class CpuBackend(ReferenceBackend):
                        "int4": NativeInt4(self.policy)}
         q8, nibbles = NativeQ8(self.policy, upcast), NativeBlocks(self.policy, upcast)
         self.repacked = {fmt: q8 if fmt == "Q8_0" else nibbles for fmt in REPACKED}
-        self.bf16 = OneDnnBf16(upcast) if torch.backends.mkldnn.is_available() else Upcast(upcast)
+        onednn = torch.backends.mkldnn.is_available() and capability.onednn_packs_bf16
+        self.bf16 = OneDnnBf16(upcast) if onednn else Upcast(upcast)
         # oneDNN's bf16 experts outrun moe_expert.c's float32 FMAs at every group size where bf16 dots win
         # (Mixtral-shaped expert, AMD Zen 4, 1 thread: 56 / 26 GFLOP/s at 8 tokens, 193 / 101 at 256)
         kernel = capability.moe_expert and not (capability.bf16_dots_win and not self.batch_invariant)
@@ -159,7 +160,8 @@ def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
                 f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")
     above = ("oneDNN bf16 (AMX) above" if cap.amx else "oneDNN bf16 (dot products) above" if cap.bf16_dots_win
              else "float32 GEMMs above")
-    return f"oneDNN packed bf16 weights below {UPCAST_MIN_ROWS} rows, {above}; int8/int4 on PyTorch's kernels"
+    below = "oneDNN packed bf16 weights" if cap.onednn_packs_bf16 else "bf16 weights on F.linear (oneDNN cannot pack them)"
+    return f"{below} below {UPCAST_MIN_ROWS} rows, {above}; int8/int4 on PyTorch's kernels"
 
 
 def _gguf_policy(cap: CpuCapability, native: bool) -> str:

@@ -58,6 +58,12 @@ class CpuCapability:
         return not self.amx and "avx512_bf16" in self.flags and self.vendor == "AuthenticAMD"
 
     @property
+    def onednn_packs_bf16(self) -> bool:
+        """oneDNN's packed bf16 linear runs here: torch's weight reorder for it asks for AVX-512 BW, VL and DQ or
+        AVX-NE-CONVERT, and raises without them (AVX2 alone: AMD Zen 3)."""
+        return {"avx512bw", "avx512vl", "avx512dq"} <= self.flags or "avx_ne_convert" in self.flags
+
+    @property
     def gemm(self) -> bool:
         """kernels/gemm.c has a path for this build (AVX-512)."""
         return self.kernels is not None and self.kernels.gemm_bf16_available() == 1

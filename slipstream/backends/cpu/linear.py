@@ -12,7 +12,8 @@ Without AMX, measured on one core of an Intel development machine (AVX-512, no A
   row (it streams weights faster), 1.4-1.6x at 8-64 rows, and the fp32 upcast below
   NATIVE_MAX_ROWS rows (measured crossover 256). Without it (no AVX-512, no compiler)
   `OneDnnBf16` packs for oneDNN's own layout below UPCAST_MIN_ROWS, 1.2-1.8x faster than
-  `F.linear` on the plain weight at 1-16 rows. The plain weight stays for the upcast path.
+  `F.linear` on the plain weight at 1-16 rows, where torch can pack for it (`CpuCapability.onednn_packs_bf16`;
+  otherwise `Upcast`). The plain weight stays for the upcast path.
 
 AMD's AVX-512 BF16 cores (Zen 4: `CpuCapability.bf16_dots_win`) are the other case: `vdpbf16ps`
 issues as fast as a float32 FMA for twice the multiply-adds, so gemm.c's own `vdpbf16ps` loop on
@@ -142,7 +143,7 @@ class OneDnnBf16(LinearMethod):
 
 
 class Upcast(LinearMethod):
-    """bf16 weights where oneDNN is absent: F.linear, in float32 for large batches without AMX."""
+    """bf16 weights where oneDNN cannot pack them: F.linear, in float32 for large batches without AMX."""
 
     name = "dense"
 
