@@ -160,7 +160,8 @@ def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
                 f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")
     above = ("oneDNN bf16 (AMX) above" if cap.amx else "oneDNN bf16 (dot products) above" if cap.bf16_dots_win
              else "float32 GEMMs above")
-    below = "oneDNN packed bf16 weights" if cap.onednn_packs_bf16 else "bf16 weights on F.linear (oneDNN cannot pack them)"
+    below = ("oneDNN packed bf16 weights" if cap.onednn_packs_bf16
+             else "bf16 weights on F.linear (oneDNN cannot pack them)")
     return f"{below} below {UPCAST_MIN_ROWS} rows, {above}; int8/int4 on PyTorch's kernels"
 
 
