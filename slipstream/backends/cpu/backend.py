@@ -127,7 +127,7 @@ class CpuBackend(ReferenceBackend):
                 f"dtype auto: {str(dtype).removeprefix('torch.')} ({why})",
                 "attention: " + (f"{prefill} on bf16 caches; TurboQuant codes natively for decode and prefill over a "
                                  "cached prefix; torch for other prefill" if native else "torch"),
-                "linear: " + _linear_policy(cap, self.policy),
+                "linear: " + _linear_policy(cap, self.policy, self.bf16),
                 "GGUF weights: " + _gguf_policy(cap, native),
                 "MoE experts: " + _experts_policy(self.experts),
                 "decode stack: " + (_decode_stack_policy(self.policy) if cap.gemm else "none (the per-layer torch path)"),
@@ -144,7 +144,7 @@ def _default_dtype(cap: CpuCapability) -> tuple[torch.dtype, str]:
     return torch.float32, "no bf16 arithmetic, no native GEMMs"
 
 
-def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
+def _linear_policy(cap: CpuCapability, policy: GemmPolicy, bf16: LinearMethod) -> str:
     if cap.amx_kernels:
         rows = ", ".join(f"{fmt} from {n}" for fmt, n in policy.amx_min_rows.items())
         widened = "" if policy.invariant else f", int8 widened to bf16 tiles from {INT8_WIDEN_MIN_ROWS}"
@@ -160,7 +160,7 @@ def _linear_policy(cap: CpuCapability, policy: GemmPolicy) -> str:
                 f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")
     above = ("oneDNN bf16 (AMX) above" if cap.amx else "oneDNN bf16 (dot products) above" if cap.bf16_dots_win
              else "float32 GEMMs above")
-    below = ("oneDNN packed bf16 weights" if cap.onednn_packs_bf16
+    below = ("oneDNN packed bf16 weights" if isinstance(bf16, OneDnnBf16)
              else "bf16 weights on F.linear (oneDNN cannot pack them)")
     return f"{below} below {UPCAST_MIN_ROWS} rows, {above}; int8/int4 on PyTorch's kernels"
 
