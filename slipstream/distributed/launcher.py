@@ -7,7 +7,8 @@ rank 0 goes on to run the engine, and every other rank serves the model inside t
 constructor until rank 0 shuts down, then exits. Each rank has a device group for the
 activations' collectives (gloo on CPU, NCCL on CUDA), with a bounded timeout so that a hung
 rank ends the step with an error, and a gloo group without one for the step messages,
-which may wait for requests for as long as the server is idle. Ranks that share one
+which may wait for requests for as long as the server is idle; the ranks meet with a
+start-up timeout of its own, as a spawned rank imports torch first. Ranks that share one
 machine's memory (CPU) exchange activations through a shared mapping instead of gloo.
 
 A rank that dies breaks the group's connections (or, in shared memory, fails the liveness
@@ -41,6 +42,8 @@ logger = logging.getLogger("slipstream")
 
 # a collective that waits longer than this inside a step means a rank hung (override: SLIPSTREAM_TP_TIMEOUT, s)
 STEP_TIMEOUT_S = 120.0
+# ranks meet within at least this at start-up, whatever the step timeout: a spawned rank imports torch first
+START_TIMEOUT_S = 120.0
 IDLE_TIMEOUT = timedelta(days=365)
 
 
@@ -171,9 +174,10 @@ def _init_group(rank: int, config: EngineConfig, url: str, threads: int, alive) 
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=url, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=_step_timeout()))
+                            timeout=timedelta(seconds=max(START_TIMEOUT_S, _step_timeout())))
+    device_group = dist.new_group(timeout=timedelta(seconds=_step_timeout()))
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    set_group(TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group, expert_parallel=config.enable_expert_parallel))
+    set_group(TensorParallelGroup(rank, size, device_group, cpu_group, expert_parallel=config.enable_expert_parallel))
     if alive is not None and not cuda:  # the mapping is set up over the group just set
         set_group(dataclasses.replace(group(), shm=_shared_memory(rank, size, alive)))
     return StepChannel(cpu_group, timedelta(seconds=_step_timeout()))
