@@ -41,10 +41,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Tu
     (reference.prefill_attention's arguments)."""
     if not cache.calibrated:
         return _calibration_attention(q, k, v, cache, scale, sliding_window)
-    cache.write(k, v, meta.slot_mapping)
     if cache.window is not None:
         place_staging(cache.window.staging, meta)
-        cache.window.write(k, v)
+    cache.write(k, v, meta.slot_mapping)  # the codes, and the 16-bit window's tokens that the plan mirrors now
     out = torch.empty_like(q)
     n = meta.num_decodes
     if n:

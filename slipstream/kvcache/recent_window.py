@@ -170,6 +170,8 @@ class RecentWindow:
         """Mirror the step's new k/v [T, Hk, D] into the staged blocks (`Staging.assign` planned where): those
         before the layer's attention, or with `late` those after it."""
         tokens, rows = self.staging.late_writes if late else self.staging.writes
+        if not len(tokens):  # a step without prefill chunks moves none late
+            return
         self.k.view(-1, *self.k.shape[2:])[rows] = k[tokens].to(self.k.dtype)
         self.v.view(-1, *self.v.shape[2:])[rows] = v[tokens].to(self.v.dtype)
 

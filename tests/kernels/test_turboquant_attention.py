@@ -203,9 +203,8 @@ def _windowed_step(recent: int, sinks: int, dense_dtype: torch.dtype, block_size
     slots = torch.tensor([tables[s, (n - 1) // block_size] * block_size + (n - 1) % block_size for s, n in enumerate(lens)])
     meta = step_metadata([1] * len(lens), lens, tables, slots)
     q, k, v = (torch.randn(len(lens), h, 64, generator=g) for h in (num_heads, kv_heads, kv_heads))
-    cache.write(k, v, slots)
     turboquant.place_staging(cache.window.staging, meta)
-    cache.window.write(k, v)
+    cache.write(k, v, slots)  # and the window's tokens
     return q, k, v, cache, meta
 
 
@@ -226,6 +225,16 @@ def test_native_encoder_writes_the_bytes_quantize_returns(isa, kv_dtype):
         ours, want = quantizer.dequantize(ours), quantizer.dequantize(want)
         error = (ours - want).norm(dim=-1) / want.norm(dim=-1)
         assert error.max() < 0.2 and error.mean() < 1e-3
+
+
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
+def test_native_encoder_mirrors_the_planned_tokens_into_the_window(isa, dense_dtype):
+    """The write's copy into the 16-bit window leaves the bits that RecentWindow.write (the reference) does."""
+    _, k, v, cache, _ = _windowed_step(6, 4, dense_dtype, 4, [9, 14], 4, 2)
+    assert len(cache.window.staging.writes[0]) == 2  # both decode tokens land in staged blocks
+    native = cache.window.k.clone(), cache.window.v.clone()
+    cache.window.write(k, v)
+    assert torch.equal(native[0], cache.window.k) and torch.equal(native[1], cache.window.v)
 
 
 def test_disabled_native_kernels_fall_back(no_native_kernels):

@@ -123,9 +123,8 @@ def staged_second_chunk(recent: int, sinks: int, dense_dtype: torch.dtype, n: in
                                randn(prefix, kv_heads, 64), cache, meta, 0.125)
     meta = step_metadata([n], [prefix + n], table[None], slot(torch.arange(prefix, prefix + n)))
     q, k, v = randn(n, num_heads, 64), randn(n, kv_heads, 64) * 3 + 1, randn(n, kv_heads, 64)
-    cache.write(k, v, meta.slot_mapping)
     turboquant.place_staging(cache.window.staging, meta)
-    cache.window.write(k, v)
+    cache.write(k, v, meta.slot_mapping)  # and the window's tokens that are mirrored before attention
     cache.window.write(k, v, late=True)
     assert cache.window.exists(table).any()
     return q, k, v, cache, meta.prefills[0]

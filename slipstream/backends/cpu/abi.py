@@ -58,7 +58,8 @@ class TurboQuantEncode(ctypes.Structure):
     """turboquant_encode.c: one call's rows and the quantizer's tables."""
     _fields_ = [("x", P), ("mean", P), ("scale", P), ("order", P), ("group_info", P), ("constants", P),
                 ("slots", P), ("cache", P), ("tokens", I64), ("count", I32), ("heads", I32), ("dim", I32),
-                ("nbytes", I32), ("threads", I32)]
+                ("nbytes", I32), ("threads", I32), ("staged_bf16", I32), ("staged", P), ("staged_tokens", P),
+                ("staged_rows", P), ("staged_count", I64)]
 
 
 class Blocks(ctypes.Structure):

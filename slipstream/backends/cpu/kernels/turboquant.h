@@ -42,7 +42,8 @@ typedef struct {
 } TurboQuantAttention;
 
 // One call's rows and the quantizer's tables. Row (token t, head h) of x goes to
-// cache + (slots[t] * heads + h) * nbytes.
+// cache + (slots[t] * heads + h) * nbytes; with `staged`, token staged_tokens[i]'s rows go as they are (rounded
+// to bf16 where staged_bf16) to the 16-bit window's row staged_rows[i] too (RecentWindow.write).
 typedef struct {
     const float *x;             // [tokens, heads, dim] float32
     const float *mean, *scale;  // each NULL (0, 1) or [heads, dim]: x is quantized as (x - mean) / scale
@@ -55,4 +56,8 @@ typedef struct {
     uint8_t *cache;
     int64_t tokens;
     int32_t count, heads, dim, nbytes, threads;
+    int32_t staged_bf16;
+    void *staged;                                // NULL, or the window's pool [rows, heads, dim]
+    const int64_t *staged_tokens, *staged_rows;  // [staged_count] (Staging.writes)
+    int64_t staged_count;
 } TurboQuantEncode;

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "turboquant.h"
 
 #define MAX_DIM 256
@@ -87,10 +88,22 @@ static uint8_t *encode_group(const Group *g, const float *x, uint8_t *dst) {
     return dst + g->norm_bytes;
 }
 
+static void mirror(const TurboQuantEncode *e) {
+    int64_t width = (int64_t)e->heads * e->dim;
+    for (int64_t i = 0; i < e->staged_count; i++) {
+        const float *src = e->x + e->staged_tokens[i] * width;
+        int64_t row = e->staged_rows[i] * width;
+        if (e->staged_bf16)
+            for (int64_t j = 0; j < width; j++) ((uint16_t *)e->staged)[row + j] = float_to_bf16(src[j]);
+        else
+            memcpy((float *)e->staged + row, src, sizeof(float) * width);
+    }
+}
+
 // Read by backends/cpu/abi.py, which checks its mirror of the struct against it.
 const int32_t sizeof_TurboQuantEncode = sizeof(TurboQuantEncode);
 
-// Returns 0, or -1 for unsupported shapes.
+// Returns 0, or -1 for unsupported shapes or staged tokens beyond x.
 int turboquant_encode(const TurboQuantEncode *e) {
     const float *x = e->x, *mean = e->mean, *scale = e->scale, *constants = e->constants;
     const int64_t *order = e->order, *slots = e->slots;
@@ -100,6 +113,8 @@ int turboquant_encode(const TurboQuantEncode *e) {
     uint8_t *cache = e->cache;
     Group groups[MAX_GROUPS];
     if (count > MAX_GROUPS || dim > MAX_DIM) return -1;
+    for (int64_t i = 0; e->staged && i < e->staged_count; i++)
+        if (e->staged_tokens[i] < 0 || e->staged_tokens[i] >= tokens) return -1;  // a plan of another step
     for (int i = 0; i < count; i++) {
         Group *g = &groups[i];
         g->dim = group_info[5 * i];
@@ -131,5 +146,6 @@ int turboquant_encode(const TurboQuantEncode *e) {
         for (int i = 0, start = 0; i < count; start += groups[i].dim, i++)
             dst = encode_group(&groups[i], row + start, dst);
     }
+    if (e->staged) mirror(e);
     return 0;
 }
