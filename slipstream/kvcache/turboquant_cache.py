@@ -186,8 +186,8 @@ class TurboQuantLayerCache:
             self.window.write(k, v)
 
     def _native_write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
-        """Codes and window in kernels/turboquant_encode.c, one call each for K and V: a decode step's
-        `RecentWindow.write` was a few small torch ops a layer (30-70 us, AMD EPYC Zen 3)."""
+        """Codes and window in kernels/turboquant_encode.c, one call each for K and V: `RecentWindow.write`
+        is a gather, a cast and an indexed write for each (34 us a layer on AMD EPYC Zen 3)."""
         window, keys, values = self.window, None, None
         if window is not None:
             keys, values = (window.k, window.staging.writes), (window.v, window.staging.writes)
