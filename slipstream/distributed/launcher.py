@@ -173,14 +173,15 @@ def _init_group(rank: int, config: EngineConfig, url: str, threads: int, alive) 
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    step = timedelta(seconds=_step_timeout())
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=url, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=max(START_TIMEOUT_S, _step_timeout())))
-    device_group = dist.new_group(timeout=timedelta(seconds=_step_timeout()))
+                            timeout=max(timedelta(seconds=START_TIMEOUT_S), step))
+    device_group = dist.new_group(timeout=step)
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     set_group(TensorParallelGroup(rank, size, device_group, cpu_group, expert_parallel=config.enable_expert_parallel))
     if alive is not None and not cuda:  # the mapping is set up over the group just set
         set_group(dataclasses.replace(group(), shm=_shared_memory(rank, size, alive)))
-    return StepChannel(cpu_group, timedelta(seconds=_step_timeout()))
+    return StepChannel(cpu_group, step)
 
 
 def _shared_memory(rank: int, size: int, alive) -> ShmCollectives | None:

@@ -174,18 +174,18 @@ class TurboQuantLayerCache:
         step's staging plan mirrors before attention (`Staging.writes`; none outside a step's attention)."""
         if not self.calibrated:
             raise RuntimeError("TurboQuantLayerCache.calibrate must run before the first write")
-        if self.encoder is None and self._native_write(k, v, slot_mapping):
-            return
         if self.encoder is not None:  # a backend's encoder (backends/cuda: Triton), tested against quantize
             self.encoder(self.k, self.key_quantizer, k, slot_mapping, self.key_mean, self.key_scale)
             self.encoder(self.v, self.value_quantizer, v, slot_mapping, None, self.value_scale)
+        elif self._encode_natively(k, v, slot_mapping):
+            return  # the window's tokens went with the codes
         else:
             self.k.view(-1, *self.k.shape[2:])[slot_mapping] = self.key_quantizer.quantize(self.scaled_keys(k))
             self.v.view(-1, *self.v.shape[2:])[slot_mapping] = self.value_quantizer.quantize(self.scaled_values(v))
         if self.window is not None:
             self.window.write(k, v)
 
-    def _native_write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+    def _encode_natively(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
         """Codes and window in kernels/turboquant_encode.c, one call each for K and V: `RecentWindow.write`
         is a gather, a cast and an indexed write for each (34 us a layer on AMD EPYC Zen 3)."""
         window, keys, values = self.window, None, None
