@@ -28,15 +28,16 @@ def shuffled_block_tables(lens: list[int], block_size: int, num_blocks: int) -> 
     return tables
 
 
-def _decode_step(lens: list[int], num_heads: int, kv_heads: int, dim: int = 64, block_size: int = 16):
+def _decode_step(lens: list[int], num_heads: int, kv_heads: int, dim: int = 64, block_size: int = 16,
+                 q_dtype: torch.dtype = torch.bfloat16, cache_dtype: torch.dtype = torch.bfloat16):
     torch.manual_seed(0)
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    cache = LayerKVCache(num_blocks, block_size, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+    cache = LayerKVCache(num_blocks, block_size, kv_heads, dim, cache_dtype, torch.device("cpu"))
     cache.k.normal_()
     cache.v.normal_()
     tables = shuffled_block_tables(lens, block_size, num_blocks)
     meta = step_metadata([1] * len(lens), lens, tables, torch.zeros(0, dtype=torch.long))
-    q = torch.randn(len(lens), num_heads, dim, dtype=torch.bfloat16)
+    q = torch.randn(len(lens), num_heads, dim, dtype=q_dtype)
     return q, cache, meta
 
 
@@ -53,6 +54,21 @@ def test_kernel_equals_reference_decode(isa, num_heads, kv_heads, window):
     assert (ours.float() - exact).abs().max() <= (ref.float() - exact).abs().max() + 0.01
 
 
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("num_heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256), (4, 2, 40)])  # the last: no vector path
+@pytest.mark.parametrize("window", [None, 20])
+def test_kernel_takes_float32_queries_and_caches(isa, q_dtype, cache_dtype, num_heads, kv_heads, dim, window):
+    """A float32 model's decode over its own float32 cache (dtype auto) or a bf16 one: the output in the queries'
+    dtype, within float32 rounding of the torch path in float32 (which reads a bf16 cache's values exactly)."""
+    q, cache, meta = _decode_step([1, 17, 100, 16, 250], num_heads, kv_heads, dim, q_dtype=q_dtype,
+                                  cache_dtype=cache_dtype)
+    ours = dense_decode(q, cache, meta, 0.125, window)
+    exact = reference.decode(q.float(), _float_cache(cache), meta, 0.125, window)
+    assert ours is not None and ours.dtype == q_dtype
+    assert (ours.float() - exact).abs().max() < (1e-5 if q_dtype == torch.float32 else 0.02)
+
+
 def _float_cache(cache: LayerKVCache) -> LayerKVCache:
     heads, blocks, block_size, dim = cache.k.shape
     out = LayerKVCache(blocks, block_size, heads, dim, torch.float32, torch.device("cpu"))
@@ -61,9 +77,10 @@ def _float_cache(cache: LayerKVCache) -> LayerKVCache:
     return out
 
 
-def test_kernel_reads_only_each_sequence_blocks(isa):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_reads_only_each_sequence_blocks(isa, dtype):
     """A NaN in a block no table points to, or past a sequence's length, must not reach any output."""
-    q, cache, meta = _decode_step([5, 40], 6, 2)
+    q, cache, meta = _decode_step([5, 40], 6, 2, q_dtype=dtype, cache_dtype=dtype)
     used = set(meta.decode_block_tables.flatten().tolist())
     free = next(b for b in range(cache.k.shape[1]) if b not in used)
     cache.k[:, free] = float("nan")
@@ -80,9 +97,9 @@ def test_disabled_native_kernels_fall_back(no_native_kernels):
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_the_backend_binds_the_kernel_to_bf16_caches_only(isa, deterministic):
+def test_the_backend_binds_the_kernel_to_bf16_and_float32_caches(isa, deterministic):
     """Every query through the kernel where batch-invariant or where its AVX-512 build runs without AMX (it
-    outruns SDPA there), else decode rows only (SDPA for prefill)."""
+    outruns SDPA there), else decode rows only (SDPA for prefill); a float32 cache's decode rows only."""
     backend = CpuBackend(CpuCapability.detect(), deterministic)
     assert backend.batch_invariant == (deterministic and backend.capability.gemm)  # builds without gemm.c: never
     _, cache, _ = _decode_step([3], 4, 1)
@@ -93,7 +110,8 @@ def test_the_backend_binds_the_kernel_to_bf16_caches_only(isa, deterministic):
         assert bound is dense_attention
     else:
         assert bound.func is reference.paged_attention and bound.keywords == {"decode_kernel": dense_decode}
-    assert backend.attention(_float_cache(cache)) is reference.paged_attention
+    bound = backend.attention(_float_cache(cache))
+    assert bound.func is reference.paged_attention and bound.keywords == {"decode_kernel": dense_decode}
 
 
 CHUNKINGS = [[70], [33, 37], [16, 16, 38], [5] + [1] * 65]  # the last: a 5-token chunk, then 65 decodes

@@ -31,9 +31,10 @@ class DecodeBatch(ctypes.Structure):
 
 
 class PagedAttention(ctypes.Structure):
-    """paged_attention.c: one layer's bf16 cache and attention shape."""
+    """paged_attention.c: one layer's bf16 or float32 cache, its queries' dtype and the attention's shape."""
     _fields_ = [("k_cache", P), ("v_cache", P), ("num_blocks", I64), ("window", I64), ("block_size", I32),
-                ("q_heads", I32), ("kv_heads", I32), ("head_dim", I32), ("scale", F32)]
+                ("q_heads", I32), ("kv_heads", I32), ("head_dim", I32), ("scale", F32), ("q_float32", I32),
+                ("kv_float32", I32)]
 
 
 class CodeRows(ctypes.Structure):

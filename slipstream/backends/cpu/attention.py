@@ -27,8 +27,10 @@ from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 def dense_decode(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,
                  window: int | None) -> torch.Tensor | None:
-    """Attention of decode queries q [B, Hq, D] over a bf16 cache; None where the kernel declines."""
-    if q.dtype != torch.bfloat16 or cache.k.dtype != torch.bfloat16:
+    """Attention of decode queries q [B, Hq, D] over a bf16 or float32 cache, either dtype each (a float32 model's
+    decode over its own cache: SmolLM2's shape, 16 x 4k tokens, one thread, AMD Zen 3: 153 -> XX ms a layer against
+    the torch gather); None where the kernel declines."""
+    if q.dtype not in _DENSE_DTYPES or cache.k.dtype not in _DENSE_DTYPES:
         return None
     return _paged(q, cache.k, cache.v, scale, window, meta.decode_block_tables, meta.decode_context_lens)
 
@@ -101,7 +103,8 @@ def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     out = torch.empty_like(q)
     kv_heads, num_blocks, block_size, dim = k.shape
     layer = abi.PagedAttention(k.data_ptr(), v.data_ptr(), num_blocks, window or 0, block_size,
-                               q.shape[1], kv_heads, dim, scale)
+                               q.shape[1], kv_heads, dim, scale, int(q.dtype == torch.float32),
+                               int(k.dtype == torch.float32))
     batch = decode_batch(q.shape[0], tables, lens)
     return out if abi.kernels().paged_decode_attention(layer, batch, q.data_ptr(), out.data_ptr()) == 0 else None
 
@@ -221,7 +224,7 @@ def _code_rows(rows: torch.Tensor, quantizer: TurboQuantizer) -> abi.CodeRows:
 # decode every code row once per 32 query vectors (SmolLM2's 9 heads over 3, bf16, AMX CPU, 4k context: equal at 16
 # rows, the expansion 1.6x / 2.2x faster at 32 / 64 rows; the tiles 1.25x faster at 8)
 EXPANDED_FROM_ROWS = 16
-_DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the 16-bit window's dtypes the kernel reads
+_DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes the kernels read: dense caches, TurboQuant's window
 
 
 def _runs(q: torch.Tensor, cache: TurboQuantLayerCache, lib: abi.Kernels) -> bool:

@@ -83,9 +83,10 @@ class CpuBackend(ReferenceBackend):
                 return functools.partial(turboquant.paged_attention, decode_kernel=turboquant_decode,
                                          prefill_kernel=functools.partial(turboquant_prefill, dense=dense),
                                          dense_prefill=dense)
-            if isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16:
-                return dense_attention if self.every_query_native else functools.partial(reference.paged_attention,
-                                                                                         decode_kernel=dense_decode)
+            if isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and self.every_query_native:
+                return dense_attention
+            if isinstance(cache, LayerKVCache) and cache.k.dtype in (torch.bfloat16, torch.float32):
+                return functools.partial(reference.paged_attention, decode_kernel=dense_decode)
         return super().attention(cache)
 
     def linear_method(self, layer: Linear, fmt: str | None) -> LinearMethod:
@@ -125,8 +126,9 @@ class CpuBackend(ReferenceBackend):
         dtype, why = _default_dtype(cap)
         return [f"backend {self.name}: {cap.summary()}",
                 f"dtype auto: {str(dtype).removeprefix('torch.')} ({why})",
-                "attention: " + (f"{prefill} on bf16 caches; TurboQuant codes natively for decode and prefill over a "
-                                 "cached prefix; torch for other prefill" if native else "torch"),
+                "attention: " + (f"{prefill} on bf16 caches, native decode on float32 ones; TurboQuant codes "
+                                 "natively for decode and prefill over a cached prefix; torch for other prefill"
+                                 if native else "torch"),
                 "linear: " + _linear_policy(cap, self.policy, self.bf16),
                 "GGUF weights: " + _gguf_policy(cap, native),
                 "MoE experts: " + _experts_policy(self.experts),

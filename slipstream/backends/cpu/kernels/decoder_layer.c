@@ -209,9 +209,9 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
         cache_write_bf16(qkv + q_size, qkv + q_size + kv_size, l->k_cache, l->v_cache, s->slots, m, width,
                          l->kv_heads, l->head_dim, l->num_blocks * l->block_size);
         for (int64_t t = 0; t < m; t++) memcpy(q + t * q_size, qkv + t * width, q_size * sizeof(uint16_t));
-        if (paged_decode_attention_bf16(q, l->k_cache, l->v_cache, s->block_tables, s->context_lens, attn, (int)m,
-                                        l->q_heads, l->kv_heads, l->head_dim, l->num_blocks, l->block_size,
-                                        s->max_blocks, l->scale, l->window, s->threads))
+        if (paged_attention_typed(q, l->k_cache, l->v_cache, s->block_tables, s->context_lens, attn, (int)m, l->q_heads,
+                                  l->kv_heads, l->head_dim, l->num_blocks, l->block_size, s->max_blocks, l->scale,
+                                  l->window, s->threads, 0, 0))
             return -1;
     }
     if (project(&l->o, s, attn, delta, q_size)) return -1;

@@ -1,7 +1,8 @@
-// Attention over a paged bf16 KV cache, each query row over its own sequence's tokens as the last of them:
-// decode tokens, and on batch-invariant backends a prefill chunk's queries too.
+// Attention over a paged bf16 or float32 KV cache, each query row over its own sequence's tokens as the last of
+// them: decode tokens, and on batch-invariant backends a prefill chunk's queries too.
 //
-// Cache layout (kvcache/cache.py): [kv_heads, num_blocks, block_size, head_dim], bf16.
+// Cache layout (kvcache/cache.py): [kv_heads, num_blocks, block_size, head_dim], bf16 or float32; the queries
+// bf16 or float32 (a float32 model's), whichever the cache is.
 // Each (tile, KV head) pair is one task: a tile is a decode token, or up to MAX_VECTORS / G consecutive
 // queries of one sequence, whose G = q_heads / kv_heads query heads each walk the sequence's blocks
 // once, with an online softmax (running max and sum, rescaled per block), so every key and value row
@@ -25,12 +26,13 @@
 #define MAX_BLOCK 64
 #define MAX_VECTORS 32  // query vectors (rows x the KV head's query heads) of one task
 
-// One layer's bf16 cache and the shape of its attention.
+// One layer's cache and the shape of its attention.
 typedef struct {
-    const uint16_t *k_cache, *v_cache;  // [kv_heads, num_blocks, block_size, head_dim]
-    int64_t num_blocks, window;         // window > 0 limits each query to its last `window` tokens
+    const void *k_cache, *v_cache;  // [kv_heads, num_blocks, block_size, head_dim]
+    int64_t num_blocks, window;     // window > 0 limits each query to its last `window` tokens
     int32_t block_size, q_heads, kv_heads, head_dim;
     float scale;
+    int32_t q_float32, kv_float32;  // the queries' (and outputs') and the cache's elements: float32 (1) or bf16 (0)
 } PagedAttention;
 
 // Read by backends/cpu/abi.py: the per-task buffers' limits (backends/cpu/decode_stack.py checks shapes against
@@ -53,58 +55,92 @@ static inline float exp_nonpositive(float x) {
     return p;
 }
 
-#if defined(__AVX512BF16__)
-// With bf16 dot products queries and keys stay bf16, a `Lane` holding two channels: a query as its channel pairs,
-// 16 keys as their pairs transposed, so that one vdpbf16ps scores two channels of 16 keys (half the FMAs of widened
-// keys, and nothing widened); the scale multiplies the sums. Zen 4, one core, 512 queries of one prompt: SmolLM2's
-// shape 5.1-5.2 -> 4.7 ms, Gemma 3's 7.2-7.3 -> 6.0-6.2.
-typedef uint32_t Lane;
-#else
-typedef float Lane;  // one channel, the query's times the scale
-#endif
+// A query's or a transposed key's lane. With bf16 dot products and both operands bf16 (`pairs`), two channels:
+// a query as its channel pairs, 16 keys as their pairs transposed, so that one vdpbf16ps scores two channels of 16
+// keys (half the FMAs of widened keys, and nothing widened), the scale multiplying the sums; Zen 4, one core, 512
+// queries of one prompt: SmolLM2's shape 5.1-5.2 -> 4.7 ms, Gemma 3's 7.2-7.3 -> 6.0-6.2. Otherwise one float32
+// channel, the query's times the scale.
+typedef union {
+    float f;
+    uint32_t pair;
+} Lane;
 
-// A query's lanes from its bf16 channels.
-static inline void query_lanes(const uint16_t *q, int dim, float scale, Lane *out) {
+// A call's element types: its queries (and outputs) and its cache are each bf16 (0) or float32 (1). The flags are
+// constants wherever the kernels below are inlined, so each combination compiles to code of its own.
+static inline int lanes_are_pairs(int q_f32, int kv_f32) {
 #if defined(__AVX512BF16__)
-    memcpy(out, q, sizeof(uint16_t) * dim);
+    return !q_f32 && !kv_f32;
 #else
-    for (int d = 0; d < dim; d++) out[d] = bf16_to_float(q[d]) * scale;
+    (void)q_f32, (void)kv_f32;
+    return 0;
 #endif
+}
+
+static inline float element(const void *p, int64_t i, int f32) {
+    return f32 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
+}
+
+static inline const void *elements_at(const void *p, int64_t i, int f32) {
+    return (const char *)p + i * (f32 ? sizeof(float) : sizeof(uint16_t));
+}
+
+// A query's lanes from its channels.
+static inline void query_lanes(const void *q, int q_f32, int pairs, int dim, float scale, Lane *out) {
+    if (pairs) {
+        memcpy(out, q, sizeof(uint16_t) * dim);
+        return;
+    }
+    for (int d = 0; d < dim; d++) out[d].f = element(q, d, q_f32) * scale;
 }
 
 // Keys [c, c + 16) of a block transposed into lanes, kt[l][j] = lane l of key c + j, so that one vector op
 // scores 16 keys; keys outside [low, high) are zero (they may lie beyond the block).
-static inline void transposed_keys(const uint16_t *kb, int c, int low, int high, int dim, Lane kt[][16]) {
+static inline void transposed_keys(const void *kb, int kv_f32, int pairs, int c, int low, int high, int dim,
+                                   Lane kt[][16]) {
 #if defined(__AVX512F__)
-    if (dim % 32 == 0) {  // 32 channels of 16 keys as 16 x 16 dwords (channel pairs) transposed
+    if (kv_f32 && dim % 16 == 0) {  // 16 channels of 16 keys transposed
+        for (int dc = 0; dc < dim; dc += 16) {
+            __m512 r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = c + j >= low && c + j < high ? _mm512_loadu_ps((const float *)kb + (int64_t)(c + j) * dim + dc)
+                                                    : _mm512_setzero_ps();
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)kt[dc + i], r[i]);
+        }
+        return;
+    }
+    if (!kv_f32 && dim % 32 == 0) {  // 32 channels of 16 keys as 16 x 16 dwords (channel pairs) transposed
+        const uint16_t *k16 = kb;
         for (int dc = 0; dc < dim; dc += 32) {
             __m512 r[16];
             for (int j = 0; j < 16; j++)
-                r[j] = c + j >= low && c + j < high ? _mm512_loadu_ps(kb + (int64_t)(c + j) * dim + dc)
+                r[j] = c + j >= low && c + j < high ? _mm512_loadu_ps(k16 + (int64_t)(c + j) * dim + dc)
                                                     : _mm512_setzero_ps();
             transpose16(r);
             for (int i = 0; i < 16; i++) {  // the pair's low half is the even channel
-#if defined(__AVX512BF16__)
-                _mm512_storeu_ps((float *)kt[dc / 2 + i], r[i]);
-#else
+                if (pairs) {
+                    _mm512_storeu_ps((float *)kt[dc / 2 + i], r[i]);
+                    continue;
+                }
                 __m512i pair = _mm512_castps_si512(r[i]);
-                _mm512_storeu_ps(kt[dc + 2 * i], _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
-                _mm512_storeu_ps(kt[dc + 2 * i + 1],
+                _mm512_storeu_ps((float *)kt[dc + 2 * i], _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+                _mm512_storeu_ps((float *)kt[dc + 2 * i + 1],
                                  _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000))));
-#endif
             }
         }
         return;
     }
 #endif
     for (int j = 0; j < 16; j++) {
-        const uint16_t *key = kb + (int64_t)(c + j) * dim;
+        int64_t key = (int64_t)(c + j) * dim;
         int inside = c + j >= low && c + j < high;
-#if defined(__AVX512BF16__)
-        for (int l = 0; l < dim / 2; l++) kt[l][j] = inside ? key[2 * l] | (uint32_t)key[2 * l + 1] << 16 : 0;
-#else
-        for (int d = 0; d < dim; d++) kt[d][j] = inside ? bf16_to_float(key[d]) : 0.f;
-#endif
+        if (pairs) {
+            const uint16_t *k16 = kb;
+            for (int l = 0; l < dim / 2; l++)
+                kt[l][j].pair = inside ? k16[key + 2 * l] | (uint32_t)k16[key + 2 * l + 1] << 16 : 0;
+        } else {
+            for (int d = 0; d < dim; d++) kt[d][j].f = inside ? element(kb, key + d, kv_f32) : 0.f;
+        }
     }
 }
 
@@ -115,35 +151,42 @@ static inline void transposed_keys(const uint16_t *kb, int c, int low, int high,
 // transformers at most, against 0.40 before this kernel and 0.37 now). Inlined per constant n. (dim % 4 == 0:
 // the callers check it.)
 static inline __attribute__((always_inline)) void scores16(const Lane *const *q, const Lane kt[][16], int dim,
-                                                           float scale, float *const *s, const int n) {
+                                                           float scale, float *const *s, const int n,
+                                                           const int pairs) {
 #if defined(__AVX512BF16__)
-    __m512 acc[4][4];  // [vector][lane mod 4]
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-    int l = 0;
-    for (; l + 4 <= dim / 2; l += 4)
-        for (int j = 0; j < 4; j++) {
-            __m512bh k = (__m512bh)_mm512_loadu_si512(kt[l + j]);
-            for (int i = 0; i < n; i++)
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_set1_epi32((int)q[i][l + j]), k);
-        }
-    for (; l < dim / 2; l++) {  // dim % 8 == 4
-        __m512bh k = (__m512bh)_mm512_loadu_si512(kt[l]);
+    if (pairs) {
+        __m512 acc[4][4];  // [vector][lane mod 4]
         for (int i = 0; i < n; i++)
-            acc[i][l % 4] = _mm512_dpbf16_ps(acc[i][l % 4], (__m512bh)_mm512_set1_epi32((int)q[i][l]), k);
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+        int l = 0;
+        for (; l + 4 <= dim / 2; l += 4)
+            for (int j = 0; j < 4; j++) {
+                __m512bh k = (__m512bh)_mm512_loadu_si512(kt[l + j]);
+                for (int i = 0; i < n; i++)
+                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_set1_epi32((int)q[i][l + j].pair), k);
+            }
+        for (; l < dim / 2; l++) {  // dim % 8 == 4
+            __m512bh k = (__m512bh)_mm512_loadu_si512(kt[l]);
+            for (int i = 0; i < n; i++)
+                acc[i][l % 4] = _mm512_dpbf16_ps(acc[i][l % 4], (__m512bh)_mm512_set1_epi32((int)q[i][l].pair), k);
+        }
+        for (int i = 0; i < n; i++)
+            _mm512_storeu_ps(s[i], _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][2]),
+                                                               _mm512_add_ps(acc[i][1], acc[i][3])),
+                                                 _mm512_set1_ps(scale)));
+        return;
     }
-    for (int i = 0; i < n; i++)
-        _mm512_storeu_ps(s[i], _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][2]),
-                                                           _mm512_add_ps(acc[i][1], acc[i][3])),
-                                             _mm512_set1_ps(scale)));
-#elif defined(__AVX512F__)
+#else
+    (void)scale, (void)pairs;
+#endif
+#if defined(__AVX512F__)
     __m512 acc[4][4];  // [vector][channel mod 4]
     for (int i = 0; i < n; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
     for (int d = 0; d < dim; d += 4)
         for (int j = 0; j < 4; j++) {
-            __m512 k = _mm512_loadu_ps(kt[d + j]);
-            for (int i = 0; i < n; i++) acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d + j]), k, acc[i][j]);
+            __m512 k = _mm512_loadu_ps((const float *)kt[d + j]);
+            for (int i = 0; i < n; i++) acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d + j].f), k, acc[i][j]);
         }
     for (int i = 0; i < n; i++)
         _mm512_storeu_ps(s[i],
@@ -153,7 +196,7 @@ static inline __attribute__((always_inline)) void scores16(const Lane *const *q,
         float acc[4][16] = {{0.f}};
         for (int d = 0; d < dim; d += 4)
             for (int j = 0; j < 4; j++)
-                for (int l = 0; l < 16; l++) acc[j][l] += q[i][d + j] * kt[d + j][l];
+                for (int l = 0; l < 16; l++) acc[j][l] += q[i][d + j].f * kt[d + j][l].f;
         for (int l = 0; l < 16; l++) s[i][l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
     }
 #endif
@@ -161,13 +204,13 @@ static inline __attribute__((always_inline)) void scores16(const Lane *const *q,
 
 // scores16 over `count` vectors, four at a time
 static inline void scores_of(const Lane *const *q, const Lane kt[][16], int dim, float scale, float *const *s,
-                             int count) {
+                             int count, int pairs) {
     int i = 0;
-    for (; i + 4 <= count; i += 4) scores16(q + i, kt, dim, scale, s + i, 4);
+    for (; i + 4 <= count; i += 4) scores16(q + i, kt, dim, scale, s + i, 4, pairs);
     switch (count - i) {
-        case 3: scores16(q + i, kt, dim, scale, s + i, 3); break;
-        case 2: scores16(q + i, kt, dim, scale, s + i, 2); break;
-        case 1: scores16(q + i, kt, dim, scale, s + i, 1); break;
+        case 3: scores16(q + i, kt, dim, scale, s + i, 3, pairs); break;
+        case 2: scores16(q + i, kt, dim, scale, s + i, 2, pairs); break;
+        case 1: scores16(q + i, kt, dim, scale, s + i, 1, pairs); break;
     }
 }
 
@@ -198,38 +241,40 @@ static inline void add_values(float *acc, const float *p, const float vf[][MAX_D
 // (keys also transposed) once and used by every query vector of the tile that reads it; each vector's scores,
 // softmax and sums are the same operations, in the same order, whatever else the tile holds (a row
 // computed alone, as a decode token, gives the same bits). Always inlined so that the callers below
-// compile it once per common head size.
-static inline __attribute__((always_inline)) void attend_rows(const uint16_t *q, int64_t q_stride,
-                                                              const uint16_t *k_head, const uint16_t *v_head,
-                                                              const int64_t *table, const int64_t *ends, int rows,
-                                                              int64_t window, uint16_t *out, int group, int dim,
-                                                              int block_size, float scale) {
+// compile it once per common head size and element types (q_f32, kv_f32: lanes_are_pairs).
+static inline __attribute__((always_inline)) void attend_rows(const void *q, int64_t q_stride, const void *k_head,
+                                                              const void *v_head, const int64_t *table,
+                                                              const int64_t *ends, int rows, int64_t window,
+                                                              void *out, int group, int dim, int block_size,
+                                                              float scale, int q_f32, int kv_f32) {
     Lane qf[MAX_VECTORS][MAX_DIM], kt[MAX_DIM][16];
     float acc[MAX_VECTORS][MAX_DIM], m[MAX_VECTORS], l[MAX_VECTORS], s[MAX_VECTORS][MAX_BLOCK + 16];
     float vf[MAX_BLOCK][MAX_DIM];
     int64_t start[MAX_VECTORS], from = INT64_MAX, to = 0;
+    int pairs = lanes_are_pairs(q_f32, kv_f32);
     for (int r = 0; r < rows; r++) {
         start[r] = window > 0 && ends[r] > window ? ends[r] - window : 0;
         from = start[r] - start[r] % block_size < from ? start[r] - start[r] % block_size : from;
         to = ends[r] > to ? ends[r] : to;
         for (int g = 0; g < group; g++) {
             int v = r * group + g;
-            query_lanes(q + r * q_stride + g * dim, dim, scale, qf[v]);
+            query_lanes(elements_at(q, r * q_stride + g * dim, q_f32), q_f32, pairs, dim, scale, qf[v]);
             for (int d = 0; d < dim; d++) acc[v][d] = 0.f;
             m[v] = -INFINITY;
             l[v] = 0.f;
         }
     }
-    int64_t block_stride = (int64_t)block_size * dim;
+    int64_t block_stride = (int64_t)block_size * dim, block_bytes = block_stride * (kv_f32 ? 4 : 2);
     for (int64_t first = from; first < to; first += block_size) {
         int64_t block = table[first / block_size];
-        const uint16_t *kb = k_head + block * block_stride, *vb = v_head + block * block_stride;
+        const void *kb = elements_at(k_head, block * block_stride, kv_f32),
+                   *vb = elements_at(v_head, block * block_stride, kv_f32);
         if (rows == 1 && first + block_size < to) {  // a decode token's blocks lie anywhere in the cache, and its
             // work per block is too short to hide their latency: fetch the next one's rows while this one is worked
-            int64_t next = table[first / block_size + 1] * block_stride;
-            for (int64_t i = 0; i < block_stride; i += 32) {
-                __builtin_prefetch(k_head + next + i);
-                __builtin_prefetch(v_head + next + i);
+            int64_t next = table[first / block_size + 1] * block_bytes;
+            for (int64_t i = 0; i < block_bytes; i += 64) {
+                __builtin_prefetch((const char *)k_head + next + i);
+                __builtin_prefetch((const char *)v_head + next + i);
             }
         }
         int lo[MAX_VECTORS], hi[MAX_VECTORS], low = block_size, high = 0;
@@ -241,7 +286,7 @@ static inline __attribute__((always_inline)) void attend_rows(const uint16_t *q,
             high = hi[r] > high ? hi[r] : high;
         }
         for (int c = low - low % 16; c < high; c += 16) {
-            transposed_keys(kb, c, low, high, dim, kt);
+            transposed_keys(kb, kv_f32, pairs, c, low, high, dim, kt);
             const Lane *qs[MAX_VECTORS];
             float *ss[MAX_VECTORS];
             int n = 0;
@@ -249,7 +294,7 @@ static inline __attribute__((always_inline)) void attend_rows(const uint16_t *q,
                 int r = v / group;
                 if (lo[r] < hi[r] && hi[r] > c && lo[r] < c + 16) qs[n] = qf[v], ss[n++] = s[v] + c;
             }
-            scores_of(qs, (const Lane(*)[16])kt, dim, scale, ss, n);
+            scores_of(qs, (const Lane(*)[16])kt, dim, scale, ss, n, pairs);
         }
         for (int r = 0; r < rows; r++) {
             if (lo[r] >= hi[r]) continue;
@@ -269,7 +314,7 @@ static inline __attribute__((always_inline)) void attend_rows(const uint16_t *q,
             }
         }
         for (int t = low; t < high; t++)
-            for (int d = 0; d < dim; d++) vf[t][d] = bf16_to_float(vb[(int64_t)t * dim + d]);
+            for (int d = 0; d < dim; d++) vf[t][d] = element(vb, (int64_t)t * dim + d, kv_f32);
         for (int v = 0; v < rows * group; v++)
             if (lo[v / group] < hi[v / group]) add_values(acc[v], s[v], (const float(*)[MAX_DIM])vf, lo[v / group],
                                                           hi[v / group], dim);
@@ -278,8 +323,28 @@ static inline __attribute__((always_inline)) void attend_rows(const uint16_t *q,
         for (int g = 0; g < group; g++) {
             int v = r * group + g;
             float inv = l[v] > 0.f ? 1.f / l[v] : 0.f;
-            for (int d = 0; d < dim; d++) out[r * q_stride + g * dim + d] = float_to_bf16(acc[v][d] * inv);
+            int64_t at = r * q_stride + g * dim;
+            for (int d = 0; d < dim; d++) {
+                if (q_f32)
+                    ((float *)out)[at + d] = acc[v][d] * inv;
+                else
+                    ((uint16_t *)out)[at + d] = float_to_bf16(acc[v][d] * inv);
+            }
         }
+}
+
+// attend_rows with constant head sizes where they are common, so that the compiler unrolls the row loops
+static inline __attribute__((always_inline)) void attend_task(const void *q, int64_t q_stride, const void *k,
+                                                              const void *v, const int64_t *table,
+                                                              const int64_t *ends, int rows, int64_t window,
+                                                              void *out, int group, int dim, int block_size,
+                                                              float scale, int q_f32, int kv_f32) {
+    if (dim == 64)
+        attend_rows(q, q_stride, k, v, table, ends, rows, window, out, group, 64, block_size, scale, q_f32, kv_f32);
+    else if (dim == 128)
+        attend_rows(q, q_stride, k, v, table, ends, rows, window, out, group, 128, block_size, scale, q_f32, kv_f32);
+    else
+        attend_rows(q, q_stride, k, v, table, ends, rows, window, out, group, dim, block_size, scale, q_f32, kv_f32);
 }
 
 // Batch rows that are consecutive tokens of one sequence (a prefill chunk's queries, each with its
@@ -300,14 +365,15 @@ static int64_t tiles_of(const int64_t *tables, const int64_t *lens, int batch, i
     return count;
 }
 
-// q, out: [batch, q_heads, dim]; block_tables: [batch, max_blocks]; context_lens: [batch].
+// q, out: [batch, q_heads, dim], float32 where q_f32 else bf16; the caches [kv_heads, num_blocks, block_size, dim],
+// float32 where kv_f32 else bf16; block_tables: [batch, max_blocks]; context_lens: [batch].
 // window > 0 limits each query to its last `window` tokens (sliding-window layers).
 // Returns 0, or -1 when a shape exceeds the fixed per-task buffers (caller falls back) or memory runs out.
 // Positional, for C callers: decoder_layer.c includes this file and calls it directly.
-static int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                                       const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
-                                       int batch, int q_heads, int kv_heads, int dim, int64_t num_blocks,
-                                       int block_size, int max_blocks, float scale, int64_t window, int threads) {
+static int paged_attention_typed(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
+                                 const int64_t *context_lens, void *out, int batch, int q_heads, int kv_heads, int dim,
+                                 int64_t num_blocks, int block_size, int max_blocks, float scale, int64_t window,
+                                 int threads, int q_f32, int kv_f32) {
     int group = q_heads / kv_heads;
     if (group > MAX_GROUP || dim > MAX_DIM || dim % 4 || block_size > MAX_BLOCK) return -1;
     int64_t *tiles = malloc(sizeof(int64_t) * 2 * (batch > 0 ? batch : 1));
@@ -320,22 +386,27 @@ static int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cach
             int64_t b = tiles[2 * i], at = b * q_stride + (int64_t)h * group * dim;
             int rows = (int)tiles[2 * i + 1];
             const int64_t *table = block_tables + b * max_blocks, *ends = context_lens + b;
-            const uint16_t *k = k_cache + h * head_stride, *v = v_cache + h * head_stride;
-            if (dim == 64)  // constant head sizes let the compiler unroll the row loops
-                attend_rows(q + at, q_stride, k, v, table, ends, rows, window, out + at, group, 64, block_size, scale);
-            else if (dim == 128)
-                attend_rows(q + at, q_stride, k, v, table, ends, rows, window, out + at, group, 128, block_size, scale);
+            const void *k = elements_at(k_cache, h * head_stride, kv_f32), *v = elements_at(v_cache, h * head_stride, kv_f32);
+            const void *qa = elements_at(q, at, q_f32);
+            void *oa = (void *)elements_at(out, at, q_f32);
+            if (!q_f32 && !kv_f32)
+                attend_task(qa, q_stride, k, v, table, ends, rows, window, oa, group, dim, block_size, scale, 0, 0);
+            else if (!kv_f32)
+                attend_task(qa, q_stride, k, v, table, ends, rows, window, oa, group, dim, block_size, scale, 1, 0);
+            else if (q_f32)
+                attend_task(qa, q_stride, k, v, table, ends, rows, window, oa, group, dim, block_size, scale, 1, 1);
             else
-                attend_rows(q + at, q_stride, k, v, table, ends, rows, window, out + at, group, dim, block_size, scale);
+                attend_task(qa, q_stride, k, v, table, ends, rows, window, oa, group, dim, block_size, scale, 0, 1);
         }
     }
     free(tiles);
     return 0;
 }
 
-// The entry point for Python: q, out: [batch->batch, a->q_heads, a->head_dim] bf16. Returns 0, or -1 as above.
-int paged_decode_attention(const PagedAttention *a, const DecodeBatch *b, const uint16_t *q, uint16_t *out) {
-    return paged_decode_attention_bf16(q, a->k_cache, a->v_cache, b->block_tables, b->context_lens, out, (int)b->batch,
-                                       a->q_heads, a->kv_heads, a->head_dim, a->num_blocks, a->block_size,
-                                       b->max_blocks, a->scale, a->window, b->threads);
+// The entry point for Python: q, out: [batch->batch, a->q_heads, a->head_dim], of the types a names. Returns 0, or
+// -1 as above.
+int paged_decode_attention(const PagedAttention *a, const DecodeBatch *b, const void *q, void *out) {
+    return paged_attention_typed(q, a->k_cache, a->v_cache, b->block_tables, b->context_lens, out, (int)b->batch,
+                                 a->q_heads, a->kv_heads, a->head_dim, a->num_blocks, a->block_size, b->max_blocks,
+                                 a->scale, a->window, b->threads, a->q_float32, a->kv_float32);
 }
