@@ -30,7 +30,7 @@ def dense_decode(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,
     """Attention of decode queries q [B, Hq, D] over a bf16 or float32 cache, either dtype each (a float32 model's
     decode over its own float32 cache, SmolLM2's shape at 16 x 4k tokens, one thread, AMD Zen 3: 25-31 ms a layer,
     against 130-153 for the torch gather that served it before); None where the kernel declines."""
-    if q.dtype not in _DENSE_DTYPES or cache.k.dtype not in _DENSE_DTYPES:
+    if q.dtype not in DENSE_DTYPES or cache.k.dtype not in DENSE_DTYPES:
         return None
     return _paged(q, cache.k, cache.v, scale, window, meta.decode_block_tables, meta.decode_context_lens)
 
@@ -224,12 +224,12 @@ def _code_rows(rows: torch.Tensor, quantizer: TurboQuantizer) -> abi.CodeRows:
 # decode every code row once per 32 query vectors (SmolLM2's 9 heads over 3, bf16, AMX CPU, 4k context: equal at 16
 # rows, the expansion 1.6x / 2.2x faster at 32 / 64 rows; the tiles 1.25x faster at 8)
 EXPANDED_FROM_ROWS = 16
-_DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes the kernels read: dense caches, TurboQuant's window
+DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes the kernels read: dense caches, TurboQuant's window
 
 
 def _runs(q: torch.Tensor, cache: TurboQuantLayerCache, lib: abi.Kernels) -> bool:
     recent = cache.window
-    return q.device.type == "cpu" and has_slack(cache, lib) and (recent is None or recent.k.dtype in _DENSE_DTYPES)
+    return q.device.type == "cpu" and has_slack(cache, lib) and (recent is None or recent.k.dtype in DENSE_DTYPES)
 
 
 def has_slack(cache: TurboQuantLayerCache, lib: abi.Kernels) -> bool:

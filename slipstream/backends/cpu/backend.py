@@ -18,8 +18,8 @@ from torch import nn
 
 from slipstream.attention import reference, turboquant
 from slipstream.backends.base import AttentionImpl
-from slipstream.backends.cpu.attention import (dense_attention, dense_decode, dense_prefill, turboquant_decode,
-                                              turboquant_prefill)
+from slipstream.backends.cpu.attention import (DENSE_DTYPES, dense_attention, dense_decode, dense_prefill,
+                                              turboquant_decode, turboquant_prefill)
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
 from slipstream.backends.cpu.gguf_linear import (DEQUANTIZE_MIN_ROWS, NativeBlocks, NativeGGUF, NativeQ8, Segmented,
@@ -83,9 +83,9 @@ class CpuBackend(ReferenceBackend):
                 return functools.partial(turboquant.paged_attention, decode_kernel=turboquant_decode,
                                          prefill_kernel=functools.partial(turboquant_prefill, dense=dense),
                                          dense_prefill=dense)
-            if isinstance(cache, LayerKVCache) and cache.k.dtype == torch.bfloat16 and self.every_query_native:
-                return dense_attention
-            if isinstance(cache, LayerKVCache) and cache.k.dtype in (torch.bfloat16, torch.float32):
+            if isinstance(cache, LayerKVCache) and cache.k.dtype in DENSE_DTYPES:
+                if cache.k.dtype == torch.bfloat16 and self.every_query_native:
+                    return dense_attention
                 return functools.partial(reference.paged_attention, decode_kernel=dense_decode)
         return super().attention(cache)
 
