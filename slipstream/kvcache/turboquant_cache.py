@@ -191,8 +191,18 @@ class TurboQuantLayerCache:
         window, keys, values = self.window, None, None
         if window is not None:
             keys, values = (window.k, window.staging.writes), (window.v, window.staging.writes)
-        return (_native_write(self.k, self.key_quantizer, k, slots, self.key_mean, self.key_scale, keys)
-                and _native_write(self.v, self.value_quantizer, v, slots, None, self.value_scale, values))
+        key_encoder, value_encoder = self.native_encoders
+        return (_native_write(key_encoder, self.k, k, slots, keys)
+                and _native_write(value_encoder, self.v, v, slots, values))
+
+    @functools.cached_property
+    def native_encoders(self) -> tuple[abi.TurboQuantEncode, abi.TurboQuantEncode]:
+        """kernels/turboquant_encode.c's descriptions of the key and value encoders, built once: the calibration
+        fixes what they point to (a layer's two, built per call, cost 8-40 us of Python a decode step's layer)."""
+        if not self.calibrated:
+            raise RuntimeError("the encoders depend on the calibration; calibrate first")
+        return (native_encoder(self.k, self.key_quantizer, self.key_mean, self.key_scale),
+                native_encoder(self.v, self.value_quantizer, None, self.value_scale))
 
     def gather_codes(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes through block tables [..., n_blocks] -> [..., n_blocks * block_size, H, nbytes]."""
@@ -232,19 +242,17 @@ def row_slack(device: torch.device) -> int:
     return 0 if lib is None else lib.turboquant_row_slack
 
 
-def _native_write(rows: torch.Tensor, quantizer: TurboQuantizer, x: torch.Tensor, slots: torch.Tensor,
-                  mean: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+def _native_write(call: abi.TurboQuantEncode, rows: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,
                   staged: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None) -> bool:
-    """Encode x [T, H, D] (as (x - mean) / scale if given) into rows [num_blocks, block_size, H, nbytes] at
-    slots with kernels/turboquant_encode.c, and given `staged` (a window's pool [n, H, D], float32 or bf16,
-    and its (token, row) pairs) copy those tokens' x there too; False where it does not run."""
+    """Encode x [T, H, D] into rows [num_blocks, block_size, H, nbytes] at slots with kernels/turboquant_encode.c,
+    as `call` (native_encoder's description of rows) says, and given `staged` (a window's pool [n, H, D], float32
+    or bf16, and its (token, row) pairs) copy those tokens' x there too; False where it does not run."""
     lib = abi.kernels() if rows.device.type == "cpu" else None
     if lib is None or (staged is not None and staged[0].dtype not in (torch.float32, torch.bfloat16)):
         return False
     x, slots = x.float().contiguous(), slots.to(torch.int64).contiguous()
-    mean, scale = (None if t is None else t.contiguous() for t in (mean, scale))
-    call = native_encoder(rows, quantizer, mean, scale)
     call.x, call.slots, call.tokens, call.threads = x.data_ptr(), slots.data_ptr(), x.shape[0], abi.threads()
+    call.staged, call.staged_count = None, 0
     if staged is not None:
         pool, (tokens, staged_rows) = staged
         call.staged, call.staged_bf16 = pool.data_ptr(), pool.dtype == torch.bfloat16

@@ -18,7 +18,7 @@ from slipstream.backends.cpu.attention import turboquant_decode
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.kvcache.dtype import TQ_BITS, parse_kv_cache_dtype
-from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache, _native_write
+from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache, _native_write, native_encoder
 from tests.conftest import step_metadata
 from tests.kernels.test_paged_attention import shuffled_block_tables
 
@@ -216,7 +216,7 @@ def test_native_encoder_writes_the_bytes_quantize_returns(isa, kv_dtype):
     value_scale = torch.linspace(2.0, 0.5, 64).expand(3, 64).contiguous()  # values: a scale and no mean
     for rows, quantizer, scaling in ((cache.k, cache.key_quantizer, (cache.key_mean, cache.key_scale)),
                                      (cache.v, cache.value_quantizer, (None, value_scale))):
-        assert _native_write(rows, quantizer, x, slots, *scaling)
+        assert _native_write(native_encoder(rows, quantizer, *scaling), rows, x, slots)
         values = x / value_scale if scaling[0] is None else cache.scaled_keys(x)
         ours, want = rows.view(-1, 3, quantizer.nbytes)[slots], quantizer.quantize(values)
         # sums in another order can round a norm to the neighbouring fp16, or move a coordinate that sits on
@@ -240,7 +240,8 @@ def test_native_encoder_mirrors_the_planned_tokens_into_the_window(isa, dense_dt
 def test_disabled_native_kernels_fall_back(no_native_kernels):
     _, cache, _ = _decode_step("tq3", [3], 4, 1)
     assert CpuBackend(CpuCapability.detect()).attention(cache) is turboquant.paged_attention
-    assert not _native_write(cache.k, cache.key_quantizer, torch.randn(1, 1, 64), torch.tensor([0]))
+    encoder = native_encoder(cache.k, cache.key_quantizer)
+    assert not _native_write(encoder, cache.k, torch.randn(1, 1, 64), torch.tensor([0]))
 
 
 def test_rows_without_slack_take_the_torch_path(isa):

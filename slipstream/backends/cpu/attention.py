@@ -162,16 +162,29 @@ def _turboquant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQ
     out = torch.empty_like(q)
     tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
     starts = None if starts is None else starts.to(torch.int64).contiguous()
-    layer = turboquant_layer(cache, q.shape[2], scale, window)
+    layer, dense = _described(cache, q.shape[2], scale, window)
     layer.query_start = None if starts is None else starts.data_ptr()
     if recent is not None:
         k, v = k.to(recent.k.dtype).contiguous(), v.to(recent.v.dtype).contiguous()
-        dense = window_tokens(cache)
         dense.own_k, dense.own_v = k.data_ptr(), v.data_ptr()
-        layer.dense = ctypes.pointer(dense)
     batch = decode_batch(len(lens), tables, lens)
     status = lib.turboquant_paged_attention(layer, batch, q.data_ptr(), out.data_ptr())
     return out if status == 0 else None
+
+
+def _described(cache: TurboQuantLayerCache, group: int, scale: float,
+               window: int | None) -> tuple[abi.TurboQuantAttention, abi.DenseTokens | None]:
+    """turboquant_layer, pointing to window_tokens if the cache has a window, built once per (group, scale, window)
+    and kept on the cache: what they point to is fixed from the calibration on (built per call, they cost ~15 us
+    of Python a decode step's layer); each call sets its own fields."""
+    described = cache.__dict__.setdefault("kernel_descriptions", {})
+    if (group, scale, window) not in described:
+        layer, dense = turboquant_layer(cache, group, scale, window), None
+        if cache.window is not None:
+            dense = window_tokens(cache)
+            layer.dense = ctypes.pointer(dense)
+        described[group, scale, window] = layer, dense
+    return described[group, scale, window]
 
 
 def turboquant_layer(cache: TurboQuantLayerCache, group: int, scale: float,
