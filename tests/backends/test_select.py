@@ -26,11 +26,13 @@ NO_BF16 = AVX512_FLAGS - {"avx512_bf16"}  # AVX-512 with VNNI but no bf16 arithm
 AVX2_FLAGS = {"avx2", "fma"}  # no AVX-512 at all (AMD Zen 3 here)
 
 
-def build(isa: str, gemm: bool, amx: bool):
-    """A kernel build as far as the policy asks it: whether gemm.c / moe_expert.c have a path, with tiles or not."""
+def build(isa: str, gemm: bool, amx: bool, loops: bool | None = None):
+    """A kernel build as far as the policy asks it: whether gemm.c / moe_expert.c have a path, with tiles or not,
+    and whether gemm.c has the bf16 loops (loops None: with the path; AVX2 builds: alone)."""
     answer = lambda value: (lambda: int(value))  # noqa: E731
     return SimpleNamespace(isa=isa, gemm_bf16_available=answer(gemm), moe_expert_available=answer(gemm),
-                           gemm_amx_available=answer(amx), moe_expert_amx_available=answer(amx))
+                           gemm_amx_available=answer(amx), moe_expert_amx_available=answer(amx),
+                           gemm_bf16_loops_available=answer(gemm if loops is None else loops))
 
 
 CASES = {  # capability -> (backend name, what its linear, MoE and decode-stack lines must say)
@@ -38,12 +40,14 @@ CASES = {  # capability -> (backend name, what its linear, MoE and decode-stack 
             "cpu-amx", ["AMX tiles", "AMX tiles for every group", "every all-decode step"]),
     "avx512": (CpuCapability(AVX512_FLAGS, build("native", True, False), "native"),
                "cpu-avx512", ["AVX-512 loops", "float32 FMAs", "every all-decode step"]),
-    "avx2": (CpuCapability(AVX512_FLAGS, build("x86-64-v3", False, False), "x86-64-v3"),
-             "cpu-avx2", ["float32 GEMMs above", "torch, one expert", "none"]),
+    "avx2": (CpuCapability(AVX512_FLAGS, build("x86-64-v3", False, False, loops=True), "x86-64-v3"),
+             "cpu-avx2", ["gemm.c's AVX2 loops below 256 rows", "torch, one expert", "none"]),
     "torch-on-amx": (CpuCapability(AMX_FLAGS, None, "native", "SLIPSTREAM_NATIVE=0"),
                      "cpu-torch", ["oneDNN bf16 (AMX) above", "torch, one expert", "none"]),
-    "avx2-only": (CpuCapability(AVX2_FLAGS, build("native", False, False), "native"),
-                  "cpu-avx2", ["bf16 weights on F.linear (oneDNN cannot pack them)", "torch, one expert", "none"]),
+    "avx2-only": (CpuCapability(AVX2_FLAGS, build("native", False, False, loops=True), "native"),
+                  "cpu-avx2", ["gemm.c's AVX2 loops below 256 rows", "torch, one expert", "none"]),
+    "baseline": (CpuCapability(AVX2_FLAGS, build("x86-64", False, False, loops=False), "x86-64"),
+                 "cpu-generic", ["bf16 weights on F.linear (oneDNN cannot pack them)", "torch, one expert", "none"]),
 }
 
 
@@ -63,7 +67,8 @@ def test_each_cpu_kind_gets_its_paths_and_says_why(kind):
     if capability.kernels is None:
         assert "no native kernels: SLIPSTREAM_NATIVE=0" in lines[0]
     # torch's reorder for oneDNN's packed bf16 weights raises without AVX-512 BW/VL/DQ (or AVX-NE-CONVERT)
-    assert isinstance(backend.bf16, Upcast if kind == "avx2-only" else OneDnnBf16)
+    assert isinstance(backend.bf16, Upcast if kind in ("avx2-only", "baseline") else OneDnnBf16)
+    assert (backend.bf16_loops is not None) == (kind in ("avx2", "avx2-only"))  # AVX2 builds: bf16 weights on them
 
 
 @pytest.mark.parametrize("kind", ["amx", "avx512"])

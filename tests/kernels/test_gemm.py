@@ -205,10 +205,11 @@ def test_amx_availability_is_a_question_not_an_assumption(no_native_kernels):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_builds_without_a_gemm_path_keep_pytorch_gemms(isa, fmt):
-    """Where gemm.c reports no path (AVX2 and baseline builds), layers take PyTorch's kernels instead."""
+    """Where gemm.c reports no path for a format (AVX2 builds: codes; baseline builds: all), layers take
+    PyTorch's kernels instead."""
     capability = CpuCapability.detect()
-    if capability.gemm:
-        pytest.skip(f"the {isa} gemm.c has a path (tested above)")
+    if capability.gemm or fmt is None and capability.bf16_loops:
+        pytest.skip(f"the {isa} gemm.c has a path for {fmt or 'bf16'} weights (tested above and below)")
     assert not capability.amx_kernels
     layer = Linear(128, 64, bias=False).bfloat16()
     layer.bind(CpuBackend(capability).linear_method(layer, fmt))
@@ -217,6 +218,32 @@ def test_builds_without_a_gemm_path_keep_pytorch_gemms(isa, fmt):
     with torch.inference_mode():
         out = layer(x)
     torch.testing.assert_close(out.float(), F.linear(x.float(), float32_weight(layer)), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 200])  # 4-row tiles and what is left of them
+@pytest.mark.parametrize("out_features,bias", [(176, False), (80, True)])  # 11 and 5 blocks of 16 columns
+def test_avx2_builds_multiply_bf16_weights_on_their_loops(isa, rows, out_features, bias):
+    """Builds whose gemm.c has the bf16 loops alone (AVX2) take them for bf16 weights, the same columns at every
+    thread count, silu(gate) * up after them in torch's two ops."""
+    capability = CpuCapability.detect()
+    if capability.gemm or not capability.bf16_loops:
+        pytest.skip(f"the {isa} gemm.c has every path (tested above) or none")
+    torch.manual_seed(rows)
+    layer = Linear(96, out_features, bias=bias).bfloat16()
+    layer.bind(CpuBackend(capability).linear_method(layer, None))
+    assert isinstance(layer.method, NativeBf16) and layer.method.fused_silu(layer, torch.zeros(1, 96).bfloat16()) is None
+    x = torch.randn(rows, 96).bfloat16()
+    threads, outputs = torch.get_num_threads(), []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            with torch.inference_mode():
+                outputs.append(layer(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    torch.testing.assert_close(outputs[0].float(), expected, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("rows", [4, 200])  # oneDNN's packed layout below UPCAST_MIN_ROWS, float32 above

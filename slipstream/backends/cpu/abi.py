@@ -143,6 +143,8 @@ class Kernels:
     turboquant_encode = Function("turboquant_encode", ctypes.POINTER(TurboQuantEncode), restype=STATUS)
     # 1 where built with a path for this ISA (AVX-512), else 0 and every call returns -1
     gemm_bf16_available = Function("gemm", restype=ctypes.c_int)
+    # 1 where gemm_bf16 runs (AVX-512 or AVX2 builds: the AVX2 build has it alone), else 0
+    gemm_bf16_loops_available = Function("gemm", restype=ctypes.c_int)
     # (x, packed w, y, m, n, k, threads); int8 takes its scale after w
     gemm_bf16 = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
     gemm_int8 = Function("gemm", P, P, P, P, I64, I64, I64, I32, restype=STATUS)

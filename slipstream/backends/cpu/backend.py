@@ -55,6 +55,9 @@ class CpuBackend(ReferenceBackend):
         self.repacked = {fmt: q8 if fmt == "Q8_0" else nibbles for fmt in REPACKED}
         onednn = torch.backends.mkldnn.is_available() and capability.onednn_packs_bf16
         self.bf16 = OneDnnBf16(upcast) if onednn else Upcast(upcast)
+        # AVX2 builds: gemm.c's bf16 loops alone, for the shapes they tile
+        self.bf16_loops = (NativeBf16(self.policy, upcast, activations=False)
+                           if capability.bf16_loops and not capability.gemm else None)
         # oneDNN's bf16 experts outrun moe_expert.c's float32 FMAs at every group size where bf16 dots win
         # (Mixtral-shaped expert, AMD Zen 4, 1 thread: 56 / 26 GFLOP/s at 8 tokens, 193 / 101 at 256)
         kernel = capability.moe_expert and not (capability.bf16_dots_win and not self.batch_invariant)
@@ -97,7 +100,7 @@ class CpuBackend(ReferenceBackend):
         if self.capability.gemm and fmt == "gguf" and len(layer.block_formats) > 1:
             return Segmented(lambda part: self.linear_method(part, "gguf"))
         if fmt is None and layer.weight.dtype == torch.bfloat16:
-            return self.bf16
+            return self.bf16_loops if self.bf16_loops is not None and native_fits(layer, fmt) else self.bf16
         if fmt == "gguf" and self.capability.kernels is not None:
             return NativeGGUF(self.capability.kernels)
         return super().linear_method(layer, fmt)
@@ -160,6 +163,9 @@ def _linear_policy(cap: CpuCapability, policy: GemmPolicy, bf16: LinearMethod) -
     if cap.gemm:
         return (f"packed weights on AVX-512 loops (kernels/gemm.c) below {NATIVE_MAX_ROWS} rows in bf16, "
                 f"{UPCAST_MIN_ROWS} in int8/int4; float32 GEMMs above")
+    if cap.bf16_loops:
+        return (f"bf16 weights packed for gemm.c's AVX2 loops below {NATIVE_MAX_ROWS} rows, float32 GEMMs above; "
+                "int8/int4 on PyTorch's kernels")
     above = ("oneDNN bf16 (AMX) above" if cap.amx else "oneDNN bf16 (dot products) above" if cap.bf16_dots_win
              else "float32 GEMMs above")
     below = ("oneDNN packed bf16 weights" if isinstance(bf16, OneDnnBf16)

@@ -69,6 +69,12 @@ class CpuCapability:
         return self.kernels is not None and self.kernels.gemm_bf16_available() == 1
 
     @property
+    def bf16_loops(self) -> bool:
+        """kernels/gemm.c multiplies packed bf16 weights (`gemm_bf16`): every `gemm` build, and AVX2 ones (that
+        alone: no codes, no activations, no AMX)."""
+        return self.kernels is not None and self.kernels.gemm_bf16_loops_available() == 1
+
+    @property
     def amx_kernels(self) -> bool:
         """kernels/gemm.c and moe_expert.c were built with AMX tiles and Linux lets this process use them."""
         return self.amx and self.kernels is not None and self.kernels.gemm_amx_available() == 1

@@ -13,7 +13,10 @@ Without AMX, measured on one core of an Intel development machine (AVX-512, no A
   NATIVE_MAX_ROWS rows (measured crossover 256). Without it (no AVX-512, no compiler)
   `OneDnnBf16` packs for oneDNN's own layout below UPCAST_MIN_ROWS, 1.2-1.8x faster than
   `F.linear` on the plain weight at 1-16 rows, where torch can pack for it (`CpuCapability.onednn_packs_bf16`;
-  otherwise `Upcast`). The plain weight stays for the upcast path.
+  otherwise `Upcast`). The plain weight stays for the upcast path. AVX2 builds (AMD Zen 3) have gemm.c's bf16
+  loops alone, in 8-lane registers (`CpuCapability.bf16_loops`): `NativeBf16` there too, below NATIVE_MAX_ROWS
+  (two threads, SmolLM2's projections at 16 rows: 59-103 GFLOP/s against F.linear's 11-17 and the upcast's
+  17-47; at 256 rows 73-111 against the upcast's 71-98), silu(gate) * up in torch after it.
 
 AMD's AVX-512 BF16 cores (Zen 4: `CpuCapability.bf16_dots_win`) are the other case: `vdpbf16ps`
 issues as fast as a float32 FMA for twice the multiply-adds, so gemm.c's own `vdpbf16ps` loop on
@@ -159,8 +162,9 @@ class NativeBf16(LinearMethod):
 
     name = "native-bf16"
 
-    def __init__(self, policy: GemmPolicy, upcast: bool):
-        self.policy, self.upcast = policy, upcast
+    def __init__(self, policy: GemmPolicy, upcast: bool, activations: bool = True):
+        """activations: gemm.c's silu_and_mul runs in this build (not AVX2's: torch's ops follow its GEMM)."""
+        self.policy, self.upcast, self.activations = policy, upcast, activations
 
     def create(self, layer: Linear) -> None:
         layer.register_buffer("packed", pack_columns(layer.weight.detach()))
@@ -173,7 +177,7 @@ class NativeBf16(LinearMethod):
         return out if layer.bias is None else out.add_(layer.bias)
 
     def fused_silu(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        if x.dtype != torch.bfloat16:
+        if x.dtype != torch.bfloat16 or not self.activations:
             return None
         if (layer.bias is None and layer.out_features % 32 == 0
                 and self.policy.kernel("bf16", x.shape[0], layer.in_features) == "amx"):

@@ -37,6 +37,26 @@ typedef struct {
     const uint16_t *zero;
 } Blocks;
 
+#if defined(__AVX2__) && defined(__FMA__)  // gemm_bf16's loops: AVX-512 and AVX2 builds
+// The 16-column blocks [begin, end) of the calling thread: equal, contiguous shares, so that a
+// few hundred columns (an output projection of one decode row) still split evenly.
+static void thread_blocks(int64_t blocks, int64_t *begin, int64_t *end) {
+    int64_t thread = omp_get_thread_num(), count = omp_get_num_threads();
+    *begin = blocks * thread / count;
+    *end = blocks * (thread + 1) / count;
+}
+
+static float *widened_rows(const uint16_t *x, int64_t count) {
+    float *xf = malloc(sizeof(float) * count);
+    for (int64_t i = 0; xf && i < count; i++) {
+        uint32_t bits = (uint32_t)x[i] << 16;
+        __builtin_memcpy(xf + i, &bits, sizeof bits);
+    }
+    return xf;
+}
+
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -104,24 +124,8 @@ static inline __attribute__((always_inline)) void column_tile(const float *x, in
     }
 }
 
-// The 16-column blocks [begin, end) of the calling thread: equal, contiguous shares, so that a
-// few hundred columns (an output projection of one decode row) still split evenly.
-static void thread_blocks(int64_t blocks, int64_t *begin, int64_t *end) {
-    int64_t thread = omp_get_thread_num(), count = omp_get_num_threads();
-    *begin = blocks * thread / count;
-    *end = blocks * (thread + 1) / count;
-}
-
-static float *widened_rows(const uint16_t *x, int64_t count) {
-    float *xf = malloc(sizeof(float) * count);
-    for (int64_t i = 0; xf && i < count; i++) {
-        uint32_t bits = (uint32_t)x[i] << 16;
-        __builtin_memcpy(xf + i, &bits, sizeof bits);
-    }
-    return xf;
-}
-
 int gemm_bf16_available(void) { return 1; }
+int gemm_bf16_loops_available(void) { return 1; }
 
 // Returns 0, or -1 when N is not a multiple of 16, K is odd or memory runs out.
 int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
@@ -1109,11 +1113,82 @@ int gelu_tanh_and_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t token
     return -1;
 }
 
-// built without AVX-512: gemm_bf16_available() tells callers to keep PyTorch's kernels
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// AVX2 (AMD Zen 3, Intel before AVX-512): gemm_bf16 alone, its loops on the same packed W with 8-lane registers:
+// a tile of MR_AVX2 rows x 16 columns keeps its sums in 8 of the 16 registers over K, W's two 32-byte halves widened
+// per pair of K steps (a shift, a mask) for all its rows. PyTorch's bf16 F.linear on that CPU (no oneDNN packing
+// there) ran SmolLM2's projections at 16 rows at 11-17 GFLOP/s, two threads.
+#define MR_AVX2 4
+
+static inline void store_bf16x8(uint16_t *dst, __m256 v) {  // round to nearest even
+    __m256i bits = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    _mm_storeu_si128((__m128i *)dst, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+
+static inline __attribute__((always_inline)) void tile8(const float *x, int64_t k, const uint16_t *w, uint16_t *y,
+                                                        int64_t n, int mr) {
+    __m256 acc[MR_AVX2][2];
+    const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000);
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < k / 2; p++) {  // K steps in order, as the AVX-512 loops take them
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(w + p * 32));
+        __m256i hi = _mm256_loadu_si256((const __m256i *)(w + p * 32 + 16));
+        __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), b1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+        for (int i = 0; i < mr; i++) {
+            __m256 a = _mm256_broadcast_ss(x + i * k + 2 * p);
+            acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+        }
+        b0 = _mm256_castsi256_ps(_mm256_and_si256(lo, odd)), b1 = _mm256_castsi256_ps(_mm256_and_si256(hi, odd));
+        for (int i = 0; i < mr; i++) {
+            __m256 a = _mm256_broadcast_ss(x + i * k + 2 * p + 1);
+            acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        store_bf16x8(y + i * n, acc[i][0]);
+        store_bf16x8(y + i * n + 8, acc[i][1]);
+    }
+}
+
+int gemm_bf16_loops_available(void) { return 1; }
+
+// Returns 0, or -1 when N is not a multiple of 16, K is odd or memory runs out.
+int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+              int threads) {
+    float *xf = n % 16 || k % 2 ? NULL : widened_rows(x, m * k);
+    if (!xf) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t begin, end;
+        thread_blocks(n / 16, &begin, &end);
+        for (int64_t b = begin; b < end; b++) {  // a block's 16 x K weights stay in L1/L2 over its rows
+            const uint16_t *w = w_packed + b * 16 * k;
+            int64_t i = 0;
+            for (; i + MR_AVX2 <= m; i += MR_AVX2) tile8(xf + i * k, k, w, y + i * n + b * 16, n, MR_AVX2);
+            switch (m - i) {
+                case 3: tile8(xf + i * k, k, w, y + i * n + b * 16, n, 3); break;
+                case 2: tile8(xf + i * k, k, w, y + i * n + b * 16, n, 2); break;
+                case 1: tile8(xf + i * k, k, w, y + i * n + b * 16, n, 1); break;
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+#else
+int gemm_bf16_loops_available(void) { return 0; }
+
+// built without AVX2: gemm_bf16_loops_available() tells callers to keep PyTorch's kernels
 int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
               int threads) {
     return -1;
 }
+#endif
 
 int gemm_int8(const uint16_t *x, const int8_t *w_packed, const float *scale, uint16_t *y, int64_t m, int64_t n,
               int64_t k, int threads) {
