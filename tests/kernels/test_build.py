@@ -71,12 +71,16 @@ def test_every_build_loads_every_declared_function_and_constant(isa):
 
 
 def test_builds_without_avx512_report_no_gemm_and_no_moe_expert(isa):
-    """gemm.c and moe_expert.c have AVX-512 paths only: the other builds say so and callers keep torch."""
+    """gemm.c and moe_expert.c have AVX-512 paths only, but for gemm_bf16's loops, which AVX2 builds have too: the
+    other builds say so and callers keep torch."""
     if isa == "native":
         pytest.skip("whether the native build has AVX-512 depends on the CPU")
     lib = abi.kernels()
     assert lib.gemm_bf16_available() == 0 and lib.moe_expert_available() == 0
-    assert lib.gemm_bf16(None, None, None, 1, 16, 16, 1) == -1
+    assert lib.gemm_int8(None, None, None, None, 1, 16, 16, 1) == -1
+    assert lib.gemm_bf16_loops_available() == (isa == "x86-64-v3")
+    if isa == "x86-64":
+        assert lib.gemm_bf16(None, None, None, 1, 16, 16, 1) == -1
 
 
 def test_a_struct_mirror_of_the_wrong_size_is_refused(isa, monkeypatch):

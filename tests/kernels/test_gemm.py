@@ -62,6 +62,19 @@ def native(layer: Linear, fmt: str | None, policy: GemmPolicy) -> Linear:
     return layer
 
 
+def at_thread_counts(layer: Linear, x: torch.Tensor) -> list[torch.Tensor]:
+    """layer(x) at 1, 2 and 3 threads: uneven shares of its columns."""
+    threads, outputs = torch.get_num_threads(), []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            with torch.inference_mode():
+                outputs.append(layer(x))
+    finally:
+        torch.set_num_threads(threads)
+    return outputs
+
+
 def float32_weight(layer: Linear) -> torch.Tensor:
     """The weight the layer's method multiplies by: as loaded, or its format's dequantized codes."""
     if isinstance(layer.method, WeightOnly):
@@ -136,15 +149,7 @@ def test_every_thread_count_computes_the_same_columns(kernel, fmt, rows):
     torch.manual_seed(rows)
     layer = native(Linear(128, 176, bias=False).bfloat16(), fmt, kernel)
     x = torch.randn(rows, 128).bfloat16()
-    threads = torch.get_num_threads()
-    outputs = []
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            with torch.inference_mode():
-                outputs.append(layer(x))
-    finally:
-        torch.set_num_threads(threads)
+    outputs = at_thread_counts(layer, x)
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
     torch.testing.assert_close(outputs[0].float(), F.linear(x.float(), float32_weight(layer)), rtol=1e-2, atol=1e-2)
 
@@ -233,14 +238,7 @@ def test_avx2_builds_multiply_bf16_weights_on_their_loops(isa, rows, out_feature
     layer.bind(CpuBackend(capability).linear_method(layer, None))
     assert isinstance(layer.method, NativeBf16) and layer.method.fused_silu(layer, torch.zeros(1, 96).bfloat16()) is None
     x = torch.randn(rows, 96).bfloat16()
-    threads, outputs = torch.get_num_threads(), []
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            with torch.inference_mode():
-                outputs.append(layer(x))
-    finally:
-        torch.set_num_threads(threads)
+    outputs = at_thread_counts(layer, x)
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
     expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
     torch.testing.assert_close(outputs[0].float(), expected, rtol=1e-2, atol=1e-2)
