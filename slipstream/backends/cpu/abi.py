@@ -141,9 +141,9 @@ class Kernels:
     # 0 where turboquant_paged_attention serves this layer's shapes and layouts
     turboquant_attention_fits = Function("turboquant_attention", ctypes.POINTER(TurboQuantAttention), restype=STATUS)
     turboquant_encode = Function("turboquant_encode", ctypes.POINTER(TurboQuantEncode), restype=STATUS)
-    # 1 where built with a path for this ISA (AVX-512), else 0 and every call returns -1
+    # 1 where built with a path for this ISA (AVX-512), else 0 and every call but gemm_bf16's returns -1
     gemm_bf16_available = Function("gemm", restype=ctypes.c_int)
-    # 1 where gemm_bf16 runs (AVX-512 or AVX2 builds: the AVX2 build has it alone), else 0
+    # 1 where gemm_bf16 runs (AVX-512 or AVX2 builds: the AVX2 build has it alone), else 0 and it returns -1
     gemm_bf16_loops_available = Function("gemm", restype=ctypes.c_int)
     # (x, packed w, y, m, n, k, threads); int8 takes its scale after w
     gemm_bf16 = Function("gemm", P, P, P, I64, I64, I64, I32, restype=STATUS)
