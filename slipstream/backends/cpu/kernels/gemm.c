@@ -125,22 +125,12 @@ static inline __attribute__((always_inline)) void column_tile(const float *x, in
 }
 
 int gemm_bf16_available(void) { return 1; }
-int gemm_bf16_loops_available(void) { return 1; }
 
-// Returns 0, or -1 when N is not a multiple of 16, K is odd or memory runs out.
-int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
-              int threads) {
-    float *xf = n % 16 || k % 2 ? NULL : widened_rows(x, m * k);
-    if (!xf) return -1;
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t begin, end;
-        thread_blocks(n / 16, &begin, &end);
-        for (int64_t b = begin; b < end; b += NR)
-            column_tile(xf, m, k, w_packed + b * 16 * k, y + b * 16, n, end - b < NR ? (int)(end - b) : NR);
-    }
-    free(xf);
-    return 0;
+// gemm_bf16's share of one thread: the 16-column blocks [begin, end), NR at a time.
+static void bf16_blocks(const float *xf, int64_t m, int64_t k, const uint16_t *w_packed, uint16_t *y, int64_t n,
+                        int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b += NR)
+        column_tile(xf, m, k, w_packed + b * 16 * k, y + b * 16, n, end - b < NR ? (int)(end - b) : NR);
 }
 
 // act [tokens][width] = silu(gate) * up of a fused projection's output [tokens][gate | up] (width
@@ -1155,38 +1145,20 @@ static inline __attribute__((always_inline)) void tile8(const float *x, int64_t 
     }
 }
 
-int gemm_bf16_loops_available(void) { return 1; }
-
-// Returns 0, or -1 when N is not a multiple of 16, K is odd or memory runs out.
-int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
-              int threads) {
-    float *xf = n % 16 || k % 2 ? NULL : widened_rows(x, m * k);
-    if (!xf) return -1;
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t begin, end;
-        thread_blocks(n / 16, &begin, &end);
-        for (int64_t b = begin; b < end; b++) {  // a block's 16 x K weights stay in L1/L2 over its rows
-            const uint16_t *w = w_packed + b * 16 * k;
-            int64_t i = 0;
-            for (; i + MR_AVX2 <= m; i += MR_AVX2) tile8(xf + i * k, k, w, y + i * n + b * 16, n, MR_AVX2);
-            switch (m - i) {
-                case 3: tile8(xf + i * k, k, w, y + i * n + b * 16, n, 3); break;
-                case 2: tile8(xf + i * k, k, w, y + i * n + b * 16, n, 2); break;
-                case 1: tile8(xf + i * k, k, w, y + i * n + b * 16, n, 1); break;
-            }
+// gemm_bf16's share of one thread: the 16-column blocks [begin, end), each block's 16 x K weights kept in L1/L2
+// over its rows.
+static void bf16_blocks(const float *xf, int64_t m, int64_t k, const uint16_t *w_packed, uint16_t *y, int64_t n,
+                        int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b++) {
+        const uint16_t *w = w_packed + b * 16 * k;
+        int64_t i = 0;
+        for (; i + MR_AVX2 <= m; i += MR_AVX2) tile8(xf + i * k, k, w, y + i * n + b * 16, n, MR_AVX2);
+        switch (m - i) {
+            case 3: tile8(xf + i * k, k, w, y + i * n + b * 16, n, 3); break;
+            case 2: tile8(xf + i * k, k, w, y + i * n + b * 16, n, 2); break;
+            case 1: tile8(xf + i * k, k, w, y + i * n + b * 16, n, 1); break;
         }
     }
-    free(xf);
-    return 0;
-}
-#else
-int gemm_bf16_loops_available(void) { return 0; }
-
-// built without AVX2: gemm_bf16_loops_available() tells callers to keep PyTorch's kernels
-int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
-              int threads) {
-    return -1;
 }
 #endif
 
@@ -1202,6 +1174,34 @@ int gemm_blocks(const uint16_t *x, const uint8_t *w_packed, const Blocks *b, uin
 
 int gemm_q8(const uint16_t *x, const int8_t *w_packed, const uint16_t *scale, uint16_t *y, int64_t m, int64_t n,
             int64_t k, int threads) {
+    return -1;
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+int gemm_bf16_loops_available(void) { return 1; }
+
+// Returns 0, or -1 when N is not a multiple of 16, K is odd or memory runs out. Each thread takes an equal share of
+// W's 16-column blocks through its build's tiles (bf16_blocks: AVX-512 or AVX2).
+int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+              int threads) {
+    float *xf = n % 16 || k % 2 ? NULL : widened_rows(x, m * k);
+    if (!xf) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t begin, end;
+        thread_blocks(n / 16, &begin, &end);
+        bf16_blocks(xf, m, k, w_packed, y, n, begin, end);
+    }
+    free(xf);
+    return 0;
+}
+#else
+int gemm_bf16_loops_available(void) { return 0; }
+
+// built without AVX2: gemm_bf16_loops_available() tells callers to keep PyTorch's kernels
+int gemm_bf16(const uint16_t *x, const uint16_t *w_packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+              int threads) {
     return -1;
 }
 #endif
