@@ -33,16 +33,22 @@ from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                    decode_kernel=None, prefill_kernel=None, dense_prefill=reference.prefill_attention) -> torch.Tensor:
+                    decode_kernel=None, prefill_kernel=None, dense_prefill=reference.prefill_attention,
+                    decode_step=None) -> torch.Tensor:
     """As reference.paged_attention, on the codes; `decode_kernel(q [B, Hk, G, D], k, v, cache,
     tables, lens, scale, window)` is a backend's kernel for the decode queries and
     `prefill_kernel(q [n, Hk, G, D], k, v, cache, chunk, scale, window)` for a chunk over a
-    cached prefix (either returns None: declined); `dense_prefill` attends a first chunk to its own K/V
+    cached prefix; `decode_step(q, k, v, cache, meta, scale, window)` writes and attends a step of decodes
+    alone at once (each returns None: declined); `dense_prefill` attends a first chunk to its own K/V
     (reference.prefill_attention's arguments)."""
     if not cache.calibrated:
         return _calibration_attention(q, k, v, cache, scale, sliding_window)
     if cache.window is not None:
         place_staging(cache.window.staging, meta)
+    if decode_step is not None and not meta.prefills:
+        out = decode_step(q, k, v, cache, meta, scale, sliding_window)
+        if out is not None:
+            return out
     cache.write(k, v, meta.slot_mapping)  # the codes, and the 16-bit window's tokens that the plan mirrors now
     out = torch.empty_like(q)
     n = meta.num_decodes

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slipstream.attention import reference, turboquant
-from slipstream.backends.cpu.attention import turboquant_decode
+from slipstream.backends.cpu.attention import turboquant_decode, turboquant_decode_step
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.kvcache.dtype import TQ_BITS, parse_kv_cache_dtype
@@ -188,6 +188,16 @@ def _windowed_step(recent: int, sinks: int, dense_dtype: torch.dtype, block_size
                    num_heads: int, kv_heads: int):
     """(q, k, v, cache, meta) of a decode step after a prefill of all but each sequence's last token, so that the
     16-bit window's staging follows the engine's rules."""
+    q, k, v, cache, meta = _decode_after_prefill(recent, sinks, dense_dtype, block_size, lens, num_heads, kv_heads)
+    turboquant.place_staging(cache.window.staging, meta)
+    cache.write(k, v, meta.slot_mapping)  # and the window's tokens
+    return q, k, v, cache, meta
+
+
+def _decode_after_prefill(recent: int, sinks: int, dense_dtype: torch.dtype, block_size: int, lens: list[int],
+                          num_heads: int, kv_heads: int, dtype: torch.dtype = torch.float32):
+    """`_windowed_step`'s step before anything of it is written: q, k, v in `dtype` as views of one fused QKV
+    projection's rows, as the models hand them over."""
     g = torch.Generator().manual_seed(2)
     cache = _cache("tq3", kv_heads, num_heads, 32, block_size, recent, sinks, dense_dtype)
     counts = [-(-n // block_size) for n in lens]
@@ -202,10 +212,42 @@ def _windowed_step(recent: int, sinks: int, dense_dtype: torch.dtype, block_size
                                    torch.randn(n - 1, kv_heads, 64, generator=g), cache, meta, 0.125)
     slots = torch.tensor([tables[s, (n - 1) // block_size] * block_size + (n - 1) % block_size for s, n in enumerate(lens)])
     meta = step_metadata([1] * len(lens), lens, tables, slots)
-    q, k, v = (torch.randn(len(lens), h, 64, generator=g) for h in (num_heads, kv_heads, kv_heads))
-    turboquant.place_staging(cache.window.staging, meta)
-    cache.write(k, v, slots)  # and the window's tokens
-    return q, k, v, cache, meta
+    qkv = torch.randn(len(lens), (num_heads + 2 * kv_heads) * 64, generator=g).to(dtype)
+    q, k, v = qkv.split([num_heads * 64, kv_heads * 64, kv_heads * 64], -1)
+    return q.unflatten(-1, (num_heads, 64)), k.unflatten(-1, (kv_heads, 64)), v.unflatten(-1, (kv_heads, 64)), cache, meta
+
+
+@pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 0)])
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 12])
+def test_a_decode_step_in_one_call_equals_its_writes_and_kernel_and_the_torch_path(isa, threads, recent, sinks,
+                                                                                  dense_dtype, dtype, window):
+    """turboquant_decode_step (decoder_layer.c: the codes, the window's copies and attention in one call) leaves the
+    bits that the encoder's and the kernel's calls do, and agrees with the torch path; each sequence's own token and
+    those before it in 16 bits where the window stages them (16 x 90: blocks between the windows read codes)."""
+    def step(**kernels):
+        q, k, v, cache, meta = _decode_after_prefill(recent, sinks, dense_dtype, 16, [90, 9, 33], 6, 2, dtype)
+        out = turboquant.paged_attention(q, k, v, cache, meta, 0.125, window, **kernels)
+        return out, cache
+
+    (ours, cache), (theirs, calls) = step(decode_step=turboquant_decode_step), step(decode_kernel=turboquant_decode)
+    assert ours.dtype == dtype and torch.equal(ours, theirs)
+    assert torch.equal(cache.k, calls.k) and torch.equal(cache.v, calls.v)
+    if cache.window is not None:
+        assert torch.equal(cache.window.k, calls.window.k) and torch.equal(cache.window.v, calls.window.v)
+    reference_out, _ = step()
+    tol = TOL if dtype == torch.float32 else 2 ** -7 * reference_out.abs().max()  # q and the output in bf16
+    assert (ours.float() - reference_out.float()).abs().max() < tol
+
+
+def test_a_decode_step_declines_rows_it_does_not_read(isa):
+    """K/V whose heads are not each token's contiguous run, or a step with a prefill chunk, take the calls apart."""
+    q, k, v, cache, meta = _decode_after_prefill(20, 4, torch.float32, 16, [40, 9], 4, 2)
+    strided = k.transpose(0, 1).contiguous().transpose(0, 1)  # [B, Hk, D], heads B * D apart
+    assert turboquant_decode_step(q, strided, v, cache, meta, 0.125, None) is None
+    assert turboquant_decode_step(q, k, v.to(torch.bfloat16), cache, meta, 0.125, None) is None
+    assert turboquant_decode_step(q, k, v, cache, meta, 0.125, None) is not None
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES + ["tq2-qjl"])

@@ -17,8 +17,8 @@ import torch
 
 from slipstream.attention import reference, turboquant
 from slipstream.attention.metadata import PrefillChunk
-from slipstream.backends.cpu.attention import (_turboquant, dense_prefill, turboquant_decode, turboquant_prefill,
-                                               turboquant_prefill_tiles)
+from slipstream.backends.cpu.attention import (_turboquant, dense_prefill, turboquant_decode, turboquant_decode_step,
+                                               turboquant_prefill, turboquant_prefill_tiles)
 from slipstream.backends.cpu.backend import CpuBackend
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.kvcache.dtype import TQ_BITS
@@ -148,7 +148,8 @@ def test_the_backend_routes_prefill_chunks_over_codes_to_the_kernel(isa):
     backend = CpuBackend(CpuCapability.detect())
     dense = dense_prefill if backend.every_query_native else reference.prefill_attention
     bound = backend.attention(cache)
-    assert bound.keywords.keys() == {"decode_kernel", "prefill_kernel", "dense_prefill"}
+    assert bound.keywords.keys() == {"decode_kernel", "prefill_kernel", "dense_prefill", "decode_step"}
     assert bound.keywords["decode_kernel"] is turboquant_decode and bound.keywords["dense_prefill"] is dense
+    assert bound.keywords["decode_step"] is turboquant_decode_step
     assert bound.keywords["prefill_kernel"].func is turboquant_prefill
     assert bound.keywords["prefill_kernel"].keywords == {"dense": dense}

@@ -131,6 +131,73 @@ def turboquant_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
     return _turboquant(q, k, v, cache, None, tables, lens, scale, window)
 
 
+def turboquant_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
+                           meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor | None:
+    """A step of decode tokens alone, q [B, Hq, D] and their k/v [B, Hk, D]: written into the codes and the 16-bit
+    window and attended in one call (decoder_layer.c's turboquant_decode_attention), out [B, Hq, D] in q's dtype;
+    None where it does not run. One call, not the encoder's two and the kernel's, whose Python around the C
+    (conversions, descriptions, checks) cost SmolLM2 ~170 us a layer on AMD EPYC Zen 3, more than the C."""
+    lib = abi.kernels()
+    layer = None if lib is None or not _decode_rows(q, k, v) else turboquant_decode_layer(
+        cache, q.shape[1] // cache.k.shape[2], scale, window, lib)
+    if layer is None:
+        return None
+    slots, batch = _decode_step_batch(meta)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    status = lib.turboquant_decode_attention(layer, batch, slots.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                             q.stride(0), k.stride(0), int(q.dtype == torch.bfloat16), out.data_ptr())
+    return out if status == 0 else None
+
+
+def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """q, k, v as turboquant_decode_attention reads them: on the CPU in one dtype it takes, each token's heads
+    contiguous (the views of a fused QKV projection's rows are), k's and v's tokens equally far apart."""
+    dim = q.shape[-1]
+    return (q.device.type == "cpu" and q.dtype in DENSE_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+            and all(x.stride(2) == 1 and x.stride(1) == dim for x in (q, k, v)) and k.stride(0) == v.stride(0))
+
+
+def _decode_step_batch(meta: AttentionMetadata) -> tuple[torch.Tensor, abi.DecodeBatch]:
+    """The step's slots and the description of its decode queries, built once for all its layers."""
+    key = "native decode step"
+    if key not in meta.step_cache:
+        tables = meta.decode_block_tables.to(torch.int64).contiguous()
+        lens = meta.decode_context_lens.to(torch.int64).contiguous()
+        meta.step_cache[key] = tables, lens, meta.slot_mapping.to(torch.int64).contiguous()
+        meta.step_cache[key] += (decode_batch(len(lens), tables, lens),)
+    _, _, slots, batch = meta.step_cache[key]
+    return slots, batch
+
+
+def turboquant_decode_layer(cache: TurboQuantLayerCache, group: int, scale: float, window: int | None,
+                            lib: abi.Kernels) -> abi.TurboQuantLayer | None:
+    """decoder_layer.c's description of a calibrated TurboQuant layer on the CPU (its codes, window and encoders),
+    or None where the kernels do not serve it; built once per build, group, scale and window and kept on the cache
+    (see `_described`)."""
+    if not cache.calibrated:
+        return None
+    described = cache.__dict__.setdefault("kernel_descriptions", {})
+    key = ("decode layer", lib.isa, group, scale, window)
+    if key not in described:
+        described[key] = _decode_layer(cache, group, scale, window, lib)
+    return described[key]
+
+
+def _decode_layer(cache: TurboQuantLayerCache, group: int, scale: float, window: int | None,
+                  lib: abi.Kernels) -> abi.TurboQuantLayer | None:
+    recent = cache.window
+    if (cache.k.device.type != "cpu" or not has_slack(cache, lib)
+            or recent is not None and recent.k.dtype not in DENSE_DTYPES):
+        return None
+    attention = turboquant_layer(cache, group, scale, window)
+    if lib.turboquant_attention_fits(attention):
+        return None
+    keys, values = cache.native_encoders  # copied into the description: the C code sets each call's fields
+    return abi.TurboQuantLayer(attention, abi.DenseTokens() if recent is None else window_tokens(cache), keys, values,
+                               ctypes.cast(lib.turboquant_paged_attention, ctypes.c_void_p),
+                               ctypes.cast(lib.turboquant_encode, ctypes.c_void_p))
+
+
 def turboquant_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TurboQuantLayerCache,
                        chunk: PrefillChunk, scale: float, window: int | None,
                        dense=reference.prefill_attention) -> torch.Tensor | None:

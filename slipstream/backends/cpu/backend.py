@@ -19,7 +19,7 @@ from torch import nn
 from slipstream.attention import reference, turboquant
 from slipstream.backends.base import AttentionImpl
 from slipstream.backends.cpu.attention import (DENSE_DTYPES, dense_attention, dense_decode, dense_prefill,
-                                              turboquant_decode, turboquant_prefill)
+                                              turboquant_decode, turboquant_decode_step, turboquant_prefill)
 from slipstream.backends.cpu.capability import CpuCapability
 from slipstream.backends.cpu.decode_stack import DecodeStack
 from slipstream.backends.cpu.gguf_linear import (DEQUANTIZE_MIN_ROWS, NativeBlocks, NativeGGUF, NativeQ8, Segmented,
@@ -85,7 +85,7 @@ class CpuBackend(ReferenceBackend):
                 dense = dense_prefill if self.every_query_native else reference.prefill_attention
                 return functools.partial(turboquant.paged_attention, decode_kernel=turboquant_decode,
                                          prefill_kernel=functools.partial(turboquant_prefill, dense=dense),
-                                         dense_prefill=dense)
+                                         dense_prefill=dense, decode_step=turboquant_decode_step)
             if isinstance(cache, LayerKVCache) and cache.k.dtype in DENSE_DTYPES:
                 if cache.k.dtype == torch.bfloat16 and self.every_query_native:
                     return dense_attention

@@ -12,9 +12,9 @@ in bf16 on the CPU, for models whose every layer has native packed projections (
 int4, or a GGUF's blocks as stored, a projection fused from two formats included), no biases,
 per-head q/k norms or none, norms all of one form (llama's, or Gemma 3's unit offset, its norms
 of each block's output included), a SiLU or GELU-tanh MLP, at most two rotary bases (Gemma's
-local and global) and a dense bf16 KV cache or a calibrated TurboQuant cache (whose 16-bit
-window, if any, is staged in bf16; the C code calls the TurboQuant kernels, and the window's
-placement is decided here once per step); anything else returns None and takes the torch path,
+local and global) and a dense bf16 KV cache or a calibrated TurboQuant cache (the C code calls
+the TurboQuant kernels as the per-layer path's decode steps do, and the window's placement is
+decided here once per step); anything else returns None and takes the torch path,
 which stays the reference this one is tested against. The GEMMs take the kernels the backend's
 GemmPolicy picks for the step's number of tokens (Q8_0 has one, the AVX-512 loops).
 """
@@ -30,11 +30,11 @@ from torch import nn
 from slipstream.attention.metadata import AttentionMetadata, get_metadata
 from slipstream.attention.turboquant import place_staging
 from slipstream.backends.cpu import abi
-from slipstream.backends.cpu.attention import has_slack, turboquant_layer, window_tokens
+from slipstream.backends.cpu.attention import turboquant_decode_layer
 from slipstream.backends.cpu.linear import GemmPolicy
 from slipstream.kvcache.cache import LayerKVCache
 from slipstream.kvcache.recent_window import Staging
-from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache, native_encoder
+from slipstream.kvcache.turboquant_cache import TurboQuantLayerCache
 from slipstream.layers.linear import Linear
 from slipstream.layers.mlp import gelu_tanh
 
@@ -71,7 +71,10 @@ def _layer(layer: nn.Module, lib: abi.Kernels, rope: int) -> tuple[abi.Layer, ab
             or getattr(mlp, "act", None) not in (F.silu, gelu_tanh) or len(forms) > 1
             or present[0].cast_last != present[0].unit_offset or present[0].weight.dtype != torch.bfloat16):
         return None
-    turboquant = _turboquant_layer(attn.attn, cache, lib) if isinstance(cache, TurboQuantLayerCache) else None
+    turboquant = None
+    if isinstance(cache, TurboQuantLayerCache):
+        group = attn.attn.num_heads // cache.k.shape[2]
+        turboquant = turboquant_decode_layer(cache, group, attn.attn.scale, attn.attn.sliding_window, lib)
     if turboquant is None and not _dense_bf16(cache, attn.attn.num_heads, lib):
         return None
     if turboquant is None:
@@ -97,24 +100,6 @@ def _dense_bf16(cache, num_heads: int, lib: abi.Kernels) -> bool:
     heads, _, block_size, head_dim = cache.k.shape
     return (num_heads // heads <= lib.paged_attention_max_group and head_dim <= lib.paged_attention_max_head_dim
             and block_size <= lib.paged_attention_max_block)
-
-
-def _turboquant_layer(attention: nn.Module, cache: TurboQuantLayerCache,
-                      lib: abi.Kernels) -> abi.TurboQuantLayer | None:
-    """A calibrated TurboQuant cache on the CPU, its window (if any) staged in bf16, in shapes the kernel serves."""
-    recent = cache.window
-    if (not cache.calibrated or cache.k.device.type != "cpu" or not has_slack(cache, lib)
-            or recent is not None and recent.k.dtype != torch.bfloat16):
-        return None
-    heads = cache.k.shape[2]
-    described = turboquant_layer(cache, attention.num_heads // heads, attention.scale, attention.sliding_window)
-    if lib.turboquant_attention_fits(described):
-        return None
-    return abi.TurboQuantLayer(
-        described, abi.DenseTokens() if recent is None else window_tokens(cache),
-        native_encoder(cache.k, cache.key_quantizer, cache.key_mean, cache.key_scale),
-        native_encoder(cache.v, cache.value_quantizer, None, cache.value_scale),
-        ctypes.cast(lib.turboquant_paged_attention, ctypes.c_void_p), ctypes.cast(lib.turboquant_encode, ctypes.c_void_p))
 
 
 class _Described(NamedTuple):

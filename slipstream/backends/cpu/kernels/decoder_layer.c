@@ -37,8 +37,8 @@ typedef struct Weight {
 // A layer whose cache holds TurboQuant codes (kvcache/turboquant_cache.py), with the kernels of
 // turboquant_attention.c and turboquant_encode.c, built as their own libraries and passed in as functions. The
 // fields that change with each step (the encoders' rows, slots and tokens; the 16-bit window's own tokens) are
-// filled per call, as is attention.dense: the window below, whose staged blocks are bf16, unless its staging_of is
-// NULL (codes alone).
+// filled per call, as is attention.dense: the window below (bf16 or float32, as its bf16 says), unless its staging_of
+// is NULL (codes alone).
 typedef struct {
     TurboQuantAttention attention;
     DenseTokens window;
@@ -145,51 +145,71 @@ static void add_residual(const Layer *l, const uint16_t *out_norm, const Step *s
     for (int64_t i = 0; i < count; i++) x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(delta[i]));
 }
 
-// The torch path's attention/turboquant.py for decode tokens, rounding where it rounds: K/V (after rotary, bf16)
-// widened to float32 and encoded into their code rows; those whose block has staging copied there too (placed by
-// Staging.assign before the step); then the kernel on float32 queries, its output rounded to bf16.
-static int turboquant_attention(const Layer *l, const Step *s, const uint16_t *qkv, uint16_t *attn) {
-    const TurboQuantLayer *tq = l->turboquant;
-    int64_t m = s->tokens, dim = l->head_dim, q_size = l->q_heads * dim, kv_size = l->kv_heads * dim;
-    int64_t width = q_size + 2 * kv_size;
+// An element of bf16 (bf16 = 1) or float32 rows, as float32, and back (rounded to nearest even).
+static inline float element_at(const void *x, int bf16, int64_t i) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static inline void element_put(void *x, int bf16, int64_t i, float value) {
+    if (bf16)
+        ((uint16_t *)x)[i] = float_to_bf16(value);
+    else
+        ((float *)x)[i] = value;
+}
+
+// A layer's TurboQuant attention for a step of decode tokens, one per sequence: attention/turboquant.py's
+// paged_attention for such a step, rounding where it rounds. K/V widened to float32 and encoded into their code
+// rows; those whose block has staging (placed by Staging.assign before the step) copied there too, in the window's
+// dtype; then the kernel on float32 queries, its output rounded to the inputs' dtype. q [m, q_heads, dim], k and v
+// [m, kv_heads, dim]: each token's heads contiguous, tokens q_stride / kv_stride elements apart, bf16 (bf16 = 1) or
+// float32; out [m, q_heads, dim] contiguous, in their dtype. The decode stack below and the per-layer path's decode
+// steps (backends/cpu/attention.py) call it. Returns 0, or -1 when memory runs out or the kernels decline.
+int turboquant_decode_attention(const TurboQuantLayer *tq, const DecodeBatch *batch, const int64_t *slots,
+                                const void *q, const void *k, const void *v, int64_t q_stride, int64_t kv_stride,
+                                int32_t bf16, void *out) {
+    const TurboQuantAttention *a = &tq->attention;
+    int64_t m = batch->batch, kv_size = (int64_t)a->kv_heads * a->dim, q_size = kv_size * a->group;
+    int own_bf16 = tq->window.bf16;
+    int64_t row_bytes = (own_bf16 ? sizeof(uint16_t) : sizeof(float)) * kv_size;
     float *buffer = malloc(sizeof(float) * m * (2 * q_size + 2 * kv_size));
-    uint16_t *own = malloc(sizeof(uint16_t) * m * 2 * kv_size);
-    if (!buffer || !own) return free(buffer), free(own), -1;
-    float *q = buffer, *out = q + m * q_size, *k = out + m * q_size, *v = k + m * kv_size;
+    char *own_k = malloc(2 * m * row_bytes), *own_v = own_k + m * row_bytes;  // the window's dtype
+    if (!buffer || !own_k) return free(buffer), free(own_k), -1;
+    float *queries = buffer, *sums = queries + m * q_size, *keys_in = sums + m * q_size, *values_in = keys_in + m * kv_size;
     for (int64_t t = 0; t < m; t++) {
-        const uint16_t *row = qkv + t * width;
-        for (int64_t i = 0; i < q_size; i++) q[t * q_size + i] = bf16_to_float(row[i]);
-        for (int64_t i = 0; i < kv_size; i++) {
-            k[t * kv_size + i] = bf16_to_float(row[q_size + i]);
-            v[t * kv_size + i] = bf16_to_float(row[q_size + kv_size + i]);
+        for (int64_t i = 0; i < q_size; i++) queries[t * q_size + i] = element_at(q, bf16, t * q_stride + i);
+        for (int64_t i = 0, at = t * kv_size; i < kv_size; i++) {
+            keys_in[at + i] = element_at(k, bf16, t * kv_stride + i);
+            values_in[at + i] = element_at(v, bf16, t * kv_stride + i);
+            element_put(own_k, own_bf16, at + i, keys_in[at + i]);
+            element_put(own_v, own_bf16, at + i, values_in[at + i]);
         }
-        memcpy(own + t * kv_size, row + q_size, sizeof(uint16_t) * kv_size);
-        memcpy(own + (m + t) * kv_size, row + q_size + kv_size, sizeof(uint16_t) * kv_size);
     }
     TurboQuantEncode keys = tq->keys, values = tq->values;
-    keys.x = k, values.x = v;
-    keys.slots = values.slots = s->slots;
+    keys.x = keys_in, values.x = values_in;
+    keys.slots = values.slots = slots;
     keys.tokens = values.tokens = m;
-    keys.threads = values.threads = s->threads;
+    keys.threads = values.threads = batch->threads;
+    keys.staged = values.staged = NULL;  // the window's copies are made below, from its own dtype's rows
     int status = tq->encode(&keys) || tq->encode(&values) ? -1 : 0;
     DenseTokens window = tq->window;
-    TurboQuantAttention attention = tq->attention;
+    TurboQuantAttention attention = *a;
+    attention.query_start = NULL;
+    attention.dense = NULL;
     if (window.staging_of) {
-        window.own_k = own, window.own_v = own + m * kv_size;
+        window.own_k = own_k, window.own_v = own_v;
         attention.dense = &window;
         for (int64_t t = 0; t < m; t++) {  // RecentWindow.write
-            int64_t block = s->slots[t] / l->block_size, staging = window.staging_of[block];
+            int64_t block = slots[t] / a->block_size, staging = window.staging_of[block];
             if (staging < 0) continue;
-            int64_t row = (staging * l->block_size + s->slots[t] % l->block_size) * kv_size;
-            memcpy((uint16_t *)window.staged_k + row, own + t * kv_size, sizeof(uint16_t) * kv_size);
-            memcpy((uint16_t *)window.staged_v + row, own + (m + t) * kv_size, sizeof(uint16_t) * kv_size);
+            int64_t row = staging * a->block_size + slots[t] % a->block_size;
+            memcpy((char *)window.staged_k + row * row_bytes, own_k + t * row_bytes, row_bytes);
+            memcpy((char *)window.staged_v + row * row_bytes, own_v + t * row_bytes, row_bytes);
         }
     }
-    DecodeBatch batch = {m, s->block_tables, s->context_lens, s->max_blocks, s->threads};
-    status = status || tq->attend(&attention, &batch, q, out) ? -1 : 0;
-    for (int64_t i = 0; !status && i < m * q_size; i++) attn[i] = float_to_bf16(out[i]);
+    status = status || tq->attend(&attention, batch, queries, sums) ? -1 : 0;
+    for (int64_t i = 0; !status && i < m * q_size; i++) element_put(out, bf16, i, sums[i]);
     free(buffer);
-    free(own);
+    free(own_k);
     return status;
 }
 
@@ -204,7 +224,10 @@ static int attention_block(const Layer *l, const Step *s, uint16_t *x, uint16_t 
         rotary_bf16(qkv + t * width, qkv + t * width + q_size, width, width, 1, l->q_heads, l->kv_heads, l->head_dim,
                     s->cos[l->rope] + s->positions[t] * half, s->sin[l->rope] + s->positions[t] * half, 1);
     if (l->turboquant) {
-        if (turboquant_attention(l, s, qkv, attn)) return -1;
+        DecodeBatch batch = {m, s->block_tables, s->context_lens, s->max_blocks, s->threads};
+        if (turboquant_decode_attention(l->turboquant, &batch, s->slots, qkv, qkv + q_size, qkv + q_size + kv_size,
+                                        width, width, 1, attn))
+            return -1;
     } else {
         cache_write_bf16(qkv + q_size, qkv + q_size + kv_size, l->k_cache, l->v_cache, s->slots, m, width,
                          l->kv_heads, l->head_dim, l->num_blocks * l->block_size);
