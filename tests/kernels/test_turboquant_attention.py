@@ -242,7 +242,8 @@ def test_a_decode_step_in_one_call_equals_its_writes_and_kernel_and_the_torch_pa
 
 
 def test_a_decode_step_declines_rows_it_does_not_read(isa):
-    """K/V whose heads are not each token's contiguous run, or a step with a prefill chunk, take the calls apart."""
+    """K/V whose heads are not each token's contiguous run, or in another dtype than q's, are declined (None): the
+    step then takes the encoder's and the kernel's calls."""
     q, k, v, cache, meta = _decode_after_prefill(20, 4, torch.float32, 16, [40, 9], 4, 2)
     strided = k.transpose(0, 1).contiguous().transpose(0, 1)  # [B, Hk, D], heads B * D apart
     assert turboquant_decode_step(q, strided, v, cache, meta, 0.125, None) is None
