@@ -214,7 +214,8 @@ def _decode_after_prefill(recent: int, sinks: int, dense_dtype: torch.dtype, blo
     meta = step_metadata([1] * len(lens), lens, tables, slots)
     qkv = torch.randn(len(lens), (num_heads + 2 * kv_heads) * 64, generator=g).to(dtype)
     q, k, v = qkv.split([num_heads * 64, kv_heads * 64, kv_heads * 64], -1)
-    return q.unflatten(-1, (num_heads, 64)), k.unflatten(-1, (kv_heads, 64)), v.unflatten(-1, (kv_heads, 64)), cache, meta
+    q, k, v = (x.unflatten(-1, (-1, 64)) for x in (q, k, v))
+    return q, k, v, cache, meta
 
 
 @pytest.mark.parametrize("recent,sinks", [(20, 4), (0, 0)])

@@ -191,8 +191,8 @@ class Kernels:
     decoder_layers_decode = Function("decoder_layer", ctypes.POINTER(Layer), I32, P, ctypes.POINTER(Step), P,
                                      restype=STATUS)
     # (layer, batch, slots, q, k, v, q stride, k/v stride, bf16, out): a step of decodes' TurboQuant write and attention
-    turboquant_decode_attention = Function("decoder_layer", ctypes.POINTER(TurboQuantLayer), ctypes.POINTER(DecodeBatch),
-                                           P, P, P, P, I64, I64, I32, P, restype=STATUS)
+    turboquant_decode_attention = Function("decoder_layer", ctypes.POINTER(TurboQuantLayer),
+                                           ctypes.POINTER(DecodeBatch), P, P, P, P, I64, I64, I32, P, restype=STATUS)
 
     paged_attention_max_group = Constant("paged_attention")
     paged_attention_max_head_dim = Constant("paged_attention")

@@ -1,9 +1,10 @@
 """Attention kernels of the CPU backend: queries over a bf16 cache or a run of bf16 K/V (kernels/paged_attention.c)
 and decode queries and prefill chunks over TurboQuant codes (kernels/turboquant_attention.c; long
-chunks: the codes expanded natively, then torch's SDPA).
+chunks: the codes expanded natively, then torch's SDPA; a step of decodes alone written and attended
+in one call of kernels/decoder_layer.c).
 
 Each query reads its own blocks up to its own length, with no gather into a padded batch.
-They plug into the torch paths as their `decode_kernel` / `prefill_kernel`
+They plug into the torch paths as their `decode_kernel` / `prefill_kernel` / `decode_step`
 (attention/reference.py, attention/turboquant.py), which attend whatever a kernel declines
 (returns None) and stay what the kernels are tested against. Batch-invariant backends take
 `dense_attention` instead: a prefill chunk's queries go through the decode kernel too, each as
@@ -163,9 +164,9 @@ def _decode_step_batch(meta: AttentionMetadata) -> tuple[torch.Tensor, abi.Decod
     if key not in meta.step_cache:
         tables = meta.decode_block_tables.to(torch.int64).contiguous()
         lens = meta.decode_context_lens.to(torch.int64).contiguous()
-        meta.step_cache[key] = tables, lens, meta.slot_mapping.to(torch.int64).contiguous()
-        meta.step_cache[key] += (decode_batch(len(lens), tables, lens),)
-    _, _, slots, batch = meta.step_cache[key]
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        meta.step_cache[key] = slots, decode_batch(len(lens), tables, lens), tables, lens  # what the batch points to
+    slots, batch, _, _ = meta.step_cache[key]
     return slots, batch
 
 

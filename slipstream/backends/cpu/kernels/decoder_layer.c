@@ -174,7 +174,8 @@ int turboquant_decode_attention(const TurboQuantLayer *tq, const DecodeBatch *ba
     float *buffer = malloc(sizeof(float) * m * (2 * q_size + 2 * kv_size));
     char *own_k = malloc(2 * m * row_bytes), *own_v = own_k + m * row_bytes;  // the window's dtype
     if (!buffer || !own_k) return free(buffer), free(own_k), -1;
-    float *queries = buffer, *sums = queries + m * q_size, *keys_in = sums + m * q_size, *values_in = keys_in + m * kv_size;
+    float *queries = buffer, *sums = queries + m * q_size;
+    float *keys_in = sums + m * q_size, *values_in = keys_in + m * kv_size;
     for (int64_t t = 0; t < m; t++) {
         for (int64_t i = 0; i < q_size; i++) queries[t * q_size + i] = element_at(q, bf16, t * q_stride + i);
         for (int64_t i = 0, at = t * kv_size; i < kv_size; i++) {
