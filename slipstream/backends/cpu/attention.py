@@ -177,18 +177,13 @@ def turboquant_decode_layer(cache: TurboQuantLayerCache, group: int, scale: floa
     (see `_described`)."""
     if not cache.calibrated:
         return None
-    described = cache.__dict__.setdefault("kernel_descriptions", {})
-    key = ("decode layer", lib.isa, group, scale, window)
-    if key not in described:
-        described[key] = _decode_layer(cache, group, scale, window, lib)
-    return described[key]
+    return _kept(cache, ("decode layer", lib.isa, group, scale, window), _decode_layer, group, scale, window, lib)
 
 
 def _decode_layer(cache: TurboQuantLayerCache, group: int, scale: float, window: int | None,
                   lib: abi.Kernels) -> abi.TurboQuantLayer | None:
     recent = cache.window
-    if (cache.k.device.type != "cpu" or not has_slack(cache, lib)
-            or recent is not None and recent.k.dtype not in DENSE_DTYPES):
+    if cache.k.device.type != "cpu" or not _reads(cache, lib):
         return None
     attention = turboquant_layer(cache, group, scale, window)
     if lib.turboquant_attention_fits(attention):
@@ -245,14 +240,25 @@ def _described(cache: TurboQuantLayerCache, group: int, scale: float,
     """turboquant_layer, pointing to window_tokens if the cache has a window, built once per (group, scale, window)
     and kept on the cache: what they point to is fixed from the calibration on (built per call, they cost ~15 us
     of Python a decode step's layer); each call sets its own fields."""
+    return _kept(cache, (group, scale, window), _attention_description, group, scale, window)
+
+
+def _attention_description(cache: TurboQuantLayerCache, group: int, scale: float,
+                           window: int | None) -> tuple[abi.TurboQuantAttention, abi.DenseTokens | None]:
+    layer, dense = turboquant_layer(cache, group, scale, window), None
+    if cache.window is not None:
+        dense = window_tokens(cache)
+        layer.dense = ctypes.pointer(dense)
+    return layer, dense
+
+
+def _kept(cache: TurboQuantLayerCache, key: tuple, build, *args):
+    """build(cache, *args), once per key, kept on the cache: the kernels' descriptions, whose targets are fixed
+    from the calibration on."""
     described = cache.__dict__.setdefault("kernel_descriptions", {})
-    if (group, scale, window) not in described:
-        layer, dense = turboquant_layer(cache, group, scale, window), None
-        if cache.window is not None:
-            dense = window_tokens(cache)
-            layer.dense = ctypes.pointer(dense)
-        described[group, scale, window] = layer, dense
-    return described[group, scale, window]
+    if key not in described:
+        described[key] = build(cache, *args)
+    return described[key]
 
 
 def turboquant_layer(cache: TurboQuantLayerCache, group: int, scale: float,
@@ -309,8 +315,13 @@ DENSE_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes the kernels read: d
 
 
 def _runs(q: torch.Tensor, cache: TurboQuantLayerCache, lib: abi.Kernels) -> bool:
+    return q.device.type == "cpu" and _reads(cache, lib)
+
+
+def _reads(cache: TurboQuantLayerCache, lib: abi.Kernels) -> bool:
+    """Whether the kernels read this cache: its rows' slack, its window's dtype."""
     recent = cache.window
-    return q.device.type == "cpu" and has_slack(cache, lib) and (recent is None or recent.k.dtype in DENSE_DTYPES)
+    return has_slack(cache, lib) and (recent is None or recent.k.dtype in DENSE_DTYPES)
 
 
 def has_slack(cache: TurboQuantLayerCache, lib: abi.Kernels) -> bool:

@@ -145,11 +145,8 @@ static void add_residual(const Layer *l, const uint16_t *out_norm, const Step *s
     for (int64_t i = 0; i < count; i++) x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(delta[i]));
 }
 
-// An element of bf16 (bf16 = 1) or float32 rows, as float32, and back (rounded to nearest even).
-static inline float element_at(const void *x, int bf16, int64_t i) {
-    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
-
+// A float32 into element i of bf16 (bf16 = 1, rounded to nearest even) or float32 rows: paged_attention.c's
+// `element`, the other way.
 static inline void element_put(void *x, int bf16, int64_t i, float value) {
     if (bf16)
         ((uint16_t *)x)[i] = float_to_bf16(value);
@@ -177,10 +174,10 @@ int turboquant_decode_attention(const TurboQuantLayer *tq, const DecodeBatch *ba
     float *queries = buffer, *sums = queries + m * q_size;
     float *keys_in = sums + m * q_size, *values_in = keys_in + m * kv_size;
     for (int64_t t = 0; t < m; t++) {
-        for (int64_t i = 0; i < q_size; i++) queries[t * q_size + i] = element_at(q, bf16, t * q_stride + i);
+        for (int64_t i = 0; i < q_size; i++) queries[t * q_size + i] = element(q, t * q_stride + i, !bf16);
         for (int64_t i = 0, at = t * kv_size; i < kv_size; i++) {
-            keys_in[at + i] = element_at(k, bf16, t * kv_stride + i);
-            values_in[at + i] = element_at(v, bf16, t * kv_stride + i);
+            keys_in[at + i] = element(k, t * kv_stride + i, !bf16);
+            values_in[at + i] = element(v, t * kv_stride + i, !bf16);
             element_put(own_k, own_bf16, at + i, keys_in[at + i]);
             element_put(own_v, own_bf16, at + i, values_in[at + i]);
         }
